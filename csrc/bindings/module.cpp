@@ -1,0 +1,205 @@
+// The only C++ that knows Python: exposes the core to python/zeroshard.
+#include "zeroshard/zero_optimizer.h"
+
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace zeroshard {
+namespace {
+
+template <typename T>
+void set_if_present(const py::dict& values, const char* key, T& target) {
+  if (values.contains(key)) {
+    target = values[key].cast<T>();
+  }
+}
+
+// Writes the Python param_group's hyper-parameters into the group's LibTorch
+// options. The Python layer passes plain floats and bools.
+void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptions& options,
+                           const py::dict& values) {
+  auto adam_like = [&](auto& o) {
+    set_if_present(values, "lr", o.lr());
+    set_if_present(values, "eps", o.eps());
+    set_if_present(values, "weight_decay", o.weight_decay());
+    set_if_present(values, "amsgrad", o.amsgrad());
+    if (values.contains("betas")) {
+      auto betas = values["betas"].cast<std::pair<double, double>>();
+      o.betas(std::make_tuple(betas.first, betas.second));
+    }
+  };
+  switch (kind) {
+    case InnerOptimizerKind::kAdam:
+      adam_like(static_cast<torch::optim::AdamOptions&>(options));
+      break;
+    case InnerOptimizerKind::kAdamW:
+      adam_like(static_cast<torch::optim::AdamWOptions&>(options));
+      break;
+    case InnerOptimizerKind::kSGD: {
+      auto& o = static_cast<torch::optim::SGDOptions&>(options);
+      set_if_present(values, "lr", o.lr());
+      set_if_present(values, "momentum", o.momentum());
+      set_if_present(values, "dampening", o.dampening());
+      set_if_present(values, "weight_decay", o.weight_decay());
+      set_if_present(values, "nesterov", o.nesterov());
+      break;
+    }
+  }
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind kind,
+                                                             const py::dict& values) {
+  std::unique_ptr<torch::optim::OptimizerOptions> options;
+  switch (kind) {
+    case InnerOptimizerKind::kAdam:
+      options = std::make_unique<torch::optim::AdamOptions>();
+      break;
+    case InnerOptimizerKind::kAdamW:
+      options = std::make_unique<torch::optim::AdamWOptions>();
+      break;
+    case InnerOptimizerKind::kSGD:
+      options = std::make_unique<torch::optim::SGDOptions>(0.0);
+      break;
+  }
+  apply_hyperparameters(kind, *options, values);
+  return options;
+}
+
+std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
+    const std::vector<std::vector<at::Tensor>>& groups,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
+    const std::vector<py::dict>& group_hyperparameters, int64_t stage,
+    int64_t reduce_bucket_size, int64_t broadcast_from_rank) {
+  TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
+                    "one hyper-parameter dict per parameter group expected");
+  const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    param_groups.emplace_back(groups[g], make_options(kind, group_hyperparameters[g]));
+  }
+  auto defaults = make_options(kind, group_hyperparameters.empty() ? py::dict()
+                                                                   : group_hyperparameters[0]);
+  return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults,
+                                         ZeroOptions()
+                                             .stage(stage)
+                                             .reduce_bucket_size(reduce_bucket_size)
+                                             .broadcast_from_rank(broadcast_from_rank));
+}
+
+py::dict comm_stats_dict(const CommStats& stats) {
+  py::dict out;
+  out["all_reduce_bytes"] = stats.all_reduce_bytes;
+  out["reduce_scatter_bytes"] = stats.reduce_scatter_bytes;
+  out["all_gather_bytes"] = stats.all_gather_bytes;
+  out["broadcast_bytes"] = stats.broadcast_bytes;
+  out["total_bytes"] = stats.total_bytes();
+  out["calls"] = stats.calls;
+  return out;
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+PYBIND11_MODULE(_C, m) {
+  using zeroshard::ZeroOptimizer;
+  m.doc() = "zeroshard C++ core (ZeRO optimizer sharding over c10d)";
+
+  // c10 errors become the matching Python exceptions, without the C++
+  // backtrace, so users read the message they can act on.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+
+  py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
+      .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
+           py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
+           py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"))
+      .def(
+          "set_hyperparameters",
+          [](ZeroOptimizer& self, const std::vector<py::dict>& values) {
+            auto& groups = self.param_groups();
+            TORCH_CHECK_VALUE(values.size() == groups.size(), "expected ", groups.size(),
+                              " hyper-parameter dicts, got ", values.size());
+            for (size_t g = 0; g < groups.size(); ++g) {
+              zeroshard::apply_hyperparameters(self.inner_kind(), groups[g].options(),
+                                               values[g]);
+            }
+          },
+          py::arg("group_hyperparameters"))
+      .def(
+          "step", [](ZeroOptimizer& self) { self.step(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("shard_state",
+           [](const ZeroOptimizer& self) {
+             py::dict out;
+             for (const auto& [key, tensor] : self.shard_state()) {
+               out[py::str(key)] = tensor;
+             }
+             return out;
+           })
+      .def(
+          "load_shard_state",
+          [](ZeroOptimizer& self, const std::map<std::string, at::Tensor>& state) {
+            zeroshard::ShardState entries(state.begin(), state.end());
+            py::gil_scoped_release release;
+            self.load_shard_state(entries);
+          },
+          py::arg("state"))
+      .def("optimizer_state_bytes", &ZeroOptimizer::optimizer_state_bytes)
+      .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
+      .def("comm_stats",
+           [](ZeroOptimizer& self) {
+             return zeroshard::comm_stats_dict(self.communicator().stats());
+           })
+      .def("reset_comm_stats", [](ZeroOptimizer& self) { self.communicator().reset_stats(); })
+      .def("set_event_log_enabled",
+           [](ZeroOptimizer& self, bool enabled) {
+             self.communicator().set_event_log_enabled(enabled);
+           })
+      .def("event_log",
+           [](ZeroOptimizer& self) {
+             py::list out;
+             for (const auto& e : self.communicator().event_log()) {
+               out.append(py::make_tuple(e.what, zeroshard::collective_kind_name(e.kind),
+                                         e.bytes, e.tag));
+             }
+             return out;
+           })
+      .def_property_readonly("rank",
+                             [](ZeroOptimizer& self) { return self.communicator().rank(); })
+      .def_property_readonly(
+          "world_size", [](ZeroOptimizer& self) { return self.communicator().world_size(); })
+      .def_property_readonly(
+          "layout_fingerprint",
+          [](const ZeroOptimizer& self) { return self.layout().fingerprint(); })
+      .def(
+          "shard_numel",
+          [](const ZeroOptimizer& self, size_t group) {
+            return self.layout().group(group).shard_numel();
+          },
+          py::arg("group"))
+      .def(
+          "param_numel",
+          [](const ZeroOptimizer& self, size_t group) {
+            return self.layout().group(group).param_numel();
+          },
+          py::arg("group"));
+}

@@ -1,0 +1,127 @@
+#include "zeroshard/communicator.h"
+
+#include <c10/util/Exception.h>
+
+namespace zeroshard {
+namespace {
+
+int64_t bytes_of(const at::Tensor& tensor) {
+  return tensor.numel() * static_cast<int64_t>(tensor.element_size());
+}
+
+}  // namespace
+
+const char* collective_kind_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+  }
+  return "unknown";
+}
+
+void PendingCollective::wait() {
+  if (!work_) {
+    return;
+  }
+  work_->wait();
+  work_.reset();
+  if (log_ != nullptr) {
+    log_->push_back(CommEvent{"wait", kind_, bytes_, tag_});
+  }
+}
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
+    : process_group_(std::move(process_group)) {
+  TORCH_CHECK_VALUE(process_group_, "zeroshard needs a process group; got a null one");
+  rank_ = process_group_->getRank();
+  world_size_ = process_group_->getSize();
+}
+
+PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work,
+                                      CollectiveKind kind, int64_t bytes,
+                                      const std::string& tag) {
+  stats_.calls += 1;
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      stats_.all_reduce_bytes += bytes;
+      break;
+    case CollectiveKind::kReduceScatter:
+      stats_.reduce_scatter_bytes += bytes;
+      break;
+    case CollectiveKind::kAllGather:
+      stats_.all_gather_bytes += bytes;
+      break;
+    case CollectiveKind::kBroadcast:
+      stats_.broadcast_bytes += bytes;
+      break;
+  }
+  if (log_enabled_) {
+    log_.push_back(CommEvent{"launch", kind, bytes, tag});
+  }
+  return PendingCollective(std::move(work), kind, bytes, tag,
+                           log_enabled_ ? &log_ : nullptr);
+}
+
+void Communicator::all_reduce_sum(at::Tensor& tensor, const std::string& tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce,
+        bytes_of(tensor), tag)
+      .wait();
+}
+
+void Communicator::all_reduce_max(at::Tensor& tensor, const std::string& tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce,
+        bytes_of(tensor), tag)
+      .wait();
+}
+
+PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
+                                                   const std::string& tag) {
+  TORCH_INTERNAL_ASSERT(input.numel() == output.numel() * world_size_,
+                        "reduce_scatter: input must be world_size times the output");
+  if (world_size_ == 1) {
+    output.copy_(input);
+    return PendingCollective();
+  }
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  return track(process_group_->_reduce_scatter_base(output, input, options),
+               CollectiveKind::kReduceScatter, bytes_of(input), tag);
+}
+
+PendingCollective Communicator::all_gather(at::Tensor& output, at::Tensor& input,
+                                           const std::string& tag) {
+  TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * world_size_,
+                        "all_gather: output must be world_size times the input");
+  if (world_size_ == 1) {
+    output.copy_(input);
+    return PendingCollective();
+  }
+  return track(process_group_->_allgather_base(output, input), CollectiveKind::kAllGather,
+               bytes_of(output), tag);
+}
+
+void Communicator::broadcast(at::Tensor& tensor, int64_t root, const std::string& tag) {
+  if (world_size_ == 1) {
+    return;
+  }
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  track(process_group_->broadcast(tensors, options), CollectiveKind::kBroadcast,
+        bytes_of(tensor), tag)
+      .wait();
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,104 @@
+// A thin layer over c10d::ProcessGroup: the only code in zeroshard that issues
+// collectives. It keeps backend quirks in one place (Gloo has no AVG, so
+// averaging is SUM then divide by the caller), counts the bytes handed to each
+// kind of collective, and can record an ordered log of what it issued.
+//
+// Thread-safety: one Communicator per optimizer, used from the thread that
+// drives training (and autograd hooks on it). Not safe for concurrent calls.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+enum class CollectiveKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+
+const char* collective_kind_name(CollectiveKind kind);
+
+// Bytes handed to collectives, by kind: the input size of each call.
+struct CommStats {
+  int64_t all_reduce_bytes = 0;
+  int64_t reduce_scatter_bytes = 0;
+  int64_t all_gather_bytes = 0;
+  int64_t broadcast_bytes = 0;
+  int64_t calls = 0;
+  int64_t total_bytes() const {
+    return all_reduce_bytes + reduce_scatter_bytes + all_gather_bytes + broadcast_bytes;
+  }
+};
+
+// One entry of the optional event log.
+struct CommEvent {
+  std::string what;  // "launch" or "wait"
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  int64_t bytes = 0;
+  std::string tag;  // caller's label, e.g. "group0/bucket2"
+};
+
+// An in-flight collective. wait() is idempotent.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
+                    int64_t bytes, std::string tag, std::vector<CommEvent>* log)
+      : work_(std::move(work)), kind_(kind), bytes_(bytes), tag_(std::move(tag)), log_(log) {}
+  void wait();
+  bool pending() const { return static_cast<bool>(work_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  CollectiveKind kind_ = CollectiveKind::kAllReduce;
+  int64_t bytes_ = 0;
+  std::string tag_;
+  std::vector<CommEvent>* log_ = nullptr;
+};
+
+class Communicator {
+ public:
+  explicit Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const {
+    return process_group_;
+  }
+
+  // Sums `tensor` across ranks in place (blocking).
+  void all_reduce_sum(at::Tensor& tensor, const std::string& tag);
+  // Element-wise max across ranks in place (blocking).
+  void all_reduce_max(at::Tensor& tensor, const std::string& tag);
+  // output[i] = sum over ranks of input[rank * output.numel() + i] on this
+  // rank. input.numel() == output.numel() * world_size().
+  PendingCollective reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
+                                       const std::string& tag);
+  // output = concatenation over ranks of input.
+  PendingCollective all_gather(at::Tensor& output, at::Tensor& input,
+                               const std::string& tag);
+  void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats(); }
+
+  // The event log records launches and waits in order while enabled.
+  void set_event_log_enabled(bool enabled) { log_enabled_ = enabled; }
+  const std::vector<CommEvent>& event_log() const { return log_; }
+  void clear_event_log() { log_.clear(); }
+
+ private:
+  PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
+                          int64_t bytes, const std::string& tag);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  int64_t rank_;
+  int64_t world_size_;
+  CommStats stats_;
+  bool log_enabled_ = false;
+  std::vector<CommEvent> log_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,26 @@
+// Building a Gloo process group from a pure C++ program.
+//
+// The PyPI torch wheel exports ProcessGroupGloo but ships no gloo headers, so
+// this one translation unit is compiled against Debian's libgloo-dev headers
+// (declarations only: it calls nothing of gloo's, only the ProcessGroupGloo
+// entry points exported by libtorch_cpu). It is built only when those headers
+// are found (CMake option ZEROSHARD_WITH_GLOO); Python users never need it:
+// they pass torch.distributed's group.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+
+namespace zeroshard {
+
+// A CPU process group backed by Gloo, meeting the other ranks through
+// `store` (a c10d::TCPStore, FileStore or HashStore shared by all ranks).
+// Blocks until every rank has joined.
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t world_size,
+    std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+}  // namespace zeroshard

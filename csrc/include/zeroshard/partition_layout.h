@@ -1,0 +1,119 @@
+// The partition layout: the one place that decides where every parameter
+// element lives in the flat buffers and which rank owns it. Every stage uses
+// it; nothing else computes offsets.
+//
+// Thread-safety: immutable after construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+// [Note: Partition layout]
+// Each parameter group is flattened into one contiguous buffer. Parameters are
+// placed in *reverse* registration order, because backward produces gradients
+// roughly in that order, so the first bucket to fill is the first in the
+// buffer. The buffer is cut into buckets of about `bucket_numel` elements
+// (a parameter is never split between buckets; one larger than the bucket size
+// gets a bucket of its own). Each bucket is padded to a multiple of the world
+// size and rank r owns the r-th contiguous 1/world_size of every bucket.
+//
+// A rank's shard is the concatenation of its slices of all buckets, so it is
+// one contiguous tensor. When the group fits in one bucket (the default bucket
+// size is 5e8 elements) this is exactly "rank r owns one contiguous slice of
+// equal length". With several buckets, each bucket's reduce-scatter reads its
+// input in place from the flat gradient buffer and writes its output in place
+// into the gradient shard, with no staging copy (as Megatron's distributed
+// optimizer does). Parameters that straddle a slice boundary are split, so
+// every rank holds the same number of elements whatever the tensor sizes.
+
+// Where one parameter sits in its group's flat buffer.
+struct ParamSlot {
+  int64_t param_index = 0;  // index of the parameter within its group
+  int64_t flat_offset = 0;  // first element in the group's flat buffer
+  int64_t numel = 0;
+  int64_t bucket_index = -1;  // -1 for empty parameters (numel == 0)
+};
+
+// A contiguous range of the flat buffer reduced and gathered as one.
+struct Bucket {
+  int64_t flat_offset = 0;   // first element in the flat buffer
+  int64_t numel = 0;         // padded: a multiple of world_size
+  int64_t shard_numel = 0;   // numel / world_size: each rank's slice
+  int64_t shard_offset = 0;  // where this bucket's slice starts in a shard
+  int64_t first_slot = 0;    // slots [first_slot, end_slot) lie in it
+  int64_t end_slot = 0;
+};
+
+// The part of one parameter that one rank owns.
+struct ShardSegment {
+  int64_t param_index = 0;   // index of the parameter within its group
+  int64_t param_offset = 0;  // first owned element in the flattened parameter
+  int64_t shard_offset = 0;  // where it lives in the rank's shard
+  int64_t numel = 0;
+};
+
+// The layout of one parameter group.
+class GroupLayout {
+ public:
+  GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
+              int64_t bucket_numel);
+
+  int64_t world_size() const { return world_size_; }
+  int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
+  // Padded length of the flat buffer: a multiple of world_size.
+  int64_t flat_numel() const { return flat_numel_; }
+  // Elements each rank owns: flat_numel() / world_size().
+  int64_t shard_numel() const { return flat_numel_ / world_size_; }
+  // Real (unpadded) elements of the group.
+  int64_t param_numel() const { return param_numel_; }
+
+  // Slots in flat-buffer order.
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  const ParamSlot& slot_of_param(int64_t param_index) const;
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+
+  // Flat-buffer offset of `rank`'s slice of `bucket`.
+  int64_t rank_slice_offset(const Bucket& bucket, int64_t rank) const {
+    return bucket.flat_offset + rank * bucket.shard_numel;
+  }
+
+  // The segments `rank` owns, in shard order. A parameter contributes at most
+  // one segment per rank (it lies inside one bucket).
+  std::vector<ShardSegment> segments_of_rank(int64_t rank) const;
+
+  // Feeds everything that defines the layout into a running hash.
+  uint64_t fingerprint(uint64_t seed) const;
+
+ private:
+  int64_t world_size_;
+  int64_t bucket_numel_;
+  int64_t flat_numel_ = 0;
+  int64_t param_numel_ = 0;
+  std::vector<ParamSlot> slots_;
+  std::vector<int64_t> slot_of_param_;
+  std::vector<Bucket> buckets_;
+};
+
+// The layout of all parameter groups of one optimizer.
+class PartitionLayout {
+ public:
+  PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
+                  int64_t world_size, int64_t bucket_numel);
+
+  int64_t world_size() const { return world_size_; }
+  const std::vector<GroupLayout>& groups() const { return groups_; }
+  const GroupLayout& group(size_t index) const { return groups_.at(index); }
+
+  // Identical on every rank that built the same layout; compared across ranks
+  // at construction and stored in checkpoints.
+  int64_t fingerprint() const;
+
+ private:
+  int64_t world_size_;
+  std::vector<GroupLayout> groups_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,26 @@
+// Options of the ZeRO wrapper, in the LibTorch style:
+//   zeroshard::ZeroOptions().stage(1).reduce_bucket_size(50'000'000)
+// The inner optimizer's hyper-parameters are LibTorch's own options types
+// (torch::optim::AdamWOptions, AdamOptions, SGDOptions).
+#pragma once
+
+#include <torch/csrc/api/include/torch/arg.h>
+
+#include <cstdint>
+
+namespace zeroshard {
+
+struct ZeroOptions {
+  // 1: optimizer state sharded. (Stages 2 and 3 are not implemented yet.)
+  TORCH_ARG(int64_t, stage) = 1;
+  // Elements per gradient bucket (DeepSpeed's reduce_bucket_size; its default
+  // 5e8). Also the all-gather granularity of updated parameters.
+  TORCH_ARG(int64_t, reduce_bucket_size) = 500000000;
+  // Rank whose initial parameter values every rank starts from.
+  TORCH_ARG(int64_t, broadcast_from_rank) = 0;
+};
+
+// Throws, naming the value and what is expected, if an option is invalid.
+void validate_zero_options(const ZeroOptions& options, int64_t world_size);
+
+}  // namespace zeroshard

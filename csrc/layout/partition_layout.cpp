@@ -1,0 +1,151 @@
+#include "zeroshard/partition_layout.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+namespace {
+
+int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// FNV-1a over 64-bit words: stable across processes and builds, unlike
+// std::hash.
+uint64_t mix(uint64_t hash, int64_t value) {
+  auto word = static_cast<uint64_t>(value);
+  for (int byte = 0; byte < 8; ++byte) {
+    hash ^= (word >> (8 * byte)) & 0xffu;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+}  // namespace
+
+GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels,
+                         int64_t world_size, int64_t bucket_numel)
+    : world_size_(world_size), bucket_numel_(bucket_numel) {
+  TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ",
+                    bucket_numel);
+  const auto num_params = static_cast<int64_t>(param_numels.size());
+  slot_of_param_.assign(num_params, -1);
+
+  // See [Note: Partition layout]: reverse registration order.
+  int64_t offset = 0;
+  Bucket open;
+  open.first_slot = 0;
+  int64_t open_real_numel = 0;
+  auto close_bucket = [&]() {
+    if (open_real_numel == 0) {
+      return;
+    }
+    open.numel = round_up(open_real_numel, world_size_);
+    open.shard_numel = open.numel / world_size_;
+    open.end_slot = static_cast<int64_t>(slots_.size());
+    offset = open.flat_offset + open.numel;
+    buckets_.push_back(open);
+    open = Bucket();
+    open.flat_offset = offset;
+    open.first_slot = static_cast<int64_t>(slots_.size());
+    open.shard_offset = buckets_.back().shard_offset + buckets_.back().shard_numel;
+    open_real_numel = 0;
+  };
+  for (int64_t index = num_params - 1; index >= 0; --index) {
+    const int64_t numel = param_numels[index];
+    TORCH_CHECK_VALUE(numel >= 0, "parameter numel must be >= 0, got ", numel);
+    ParamSlot slot;
+    slot.param_index = index;
+    slot.numel = numel;
+    if (numel > 0) {
+      if (open_real_numel > 0 && open_real_numel + numel > bucket_numel_) {
+        close_bucket();
+      }
+      slot.flat_offset = open.flat_offset + open_real_numel;
+      slot.bucket_index = static_cast<int64_t>(buckets_.size());
+      open_real_numel += numel;
+      param_numel_ += numel;
+    } else {
+      slot.flat_offset = open.flat_offset + open_real_numel;
+    }
+    slot_of_param_[index] = static_cast<int64_t>(slots_.size());
+    slots_.push_back(slot);
+  }
+  close_bucket();
+  flat_numel_ = buckets_.empty() ? 0 : buckets_.back().flat_offset + buckets_.back().numel;
+  // Empty slots after the last real one still need end_slot coverage for
+  // nothing; they belong to no bucket.
+  int64_t shard_total = 0;
+  for (const auto& bucket : buckets_) {
+    shard_total += bucket.shard_numel;
+  }
+  TORCH_INTERNAL_ASSERT(shard_total * world_size_ == flat_numel_,
+                        "shard sizes must sum to the padded flat size");
+}
+
+const ParamSlot& GroupLayout::slot_of_param(int64_t param_index) const {
+  TORCH_CHECK_INDEX(param_index >= 0 && param_index < num_params(),
+                    "parameter index ", param_index, " out of range [0, ",
+                    num_params(), ")");
+  return slots_[slot_of_param_[param_index]];
+}
+
+std::vector<ShardSegment> GroupLayout::segments_of_rank(int64_t rank) const {
+  TORCH_CHECK_INDEX(rank >= 0 && rank < world_size_, "rank ", rank,
+                    " out of range for world size ", world_size_);
+  std::vector<ShardSegment> segments;
+  for (const auto& bucket : buckets_) {
+    const int64_t begin = rank_slice_offset(bucket, rank);
+    const int64_t end = begin + bucket.shard_numel;
+    for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+      const ParamSlot& slot = slots_[s];
+      const int64_t lo = std::max(begin, slot.flat_offset);
+      const int64_t hi = std::min(end, slot.flat_offset + slot.numel);
+      if (lo >= hi) {
+        continue;
+      }
+      ShardSegment segment;
+      segment.param_index = slot.param_index;
+      segment.param_offset = lo - slot.flat_offset;
+      segment.shard_offset = bucket.shard_offset + (lo - begin);
+      segment.numel = hi - lo;
+      segments.push_back(segment);
+    }
+  }
+  return segments;
+}
+
+uint64_t GroupLayout::fingerprint(uint64_t seed) const {
+  uint64_t hash = mix(seed, world_size_);
+  hash = mix(hash, bucket_numel_);
+  for (const auto& slot : slots_) {
+    hash = mix(hash, slot.param_index);
+    hash = mix(hash, slot.numel);
+  }
+  return hash;
+}
+
+PartitionLayout::PartitionLayout(
+    const std::vector<std::vector<int64_t>>& group_param_numels,
+    int64_t world_size, int64_t bucket_numel)
+    : world_size_(world_size) {
+  groups_.reserve(group_param_numels.size());
+  for (const auto& numels : group_param_numels) {
+    groups_.emplace_back(numels, world_size, bucket_numel);
+  }
+}
+
+int64_t PartitionLayout::fingerprint() const {
+  uint64_t hash = 1469598103934665603ull;
+  hash = mix(hash, static_cast<int64_t>(groups_.size()));
+  for (const auto& group : groups_) {
+    hash = group.fingerprint(hash);
+  }
+  // Keep it positive so it survives a round trip through an int64 tensor and
+  // prints readably.
+  return static_cast<int64_t>(hash >> 1);
+}
+
+}  // namespace zeroshard

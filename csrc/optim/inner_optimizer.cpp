@@ -1,0 +1,177 @@
+#include "zeroshard/inner_optimizer.h"
+
+#include <ATen/ops/maximum.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+
+namespace zeroshard {
+namespace {
+
+struct AdamHyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, decoupled;
+};
+
+AdamHyper adam_hyper(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& o) {
+  if (kind == InnerOptimizerKind::kAdamW) {
+    const auto& w = static_cast<const torch::optim::AdamWOptions&>(o);
+    return {w.lr(), std::get<0>(w.betas()), std::get<1>(w.betas()), w.eps(),
+            w.weight_decay(), w.amsgrad(), true};
+  }
+  const auto& a = static_cast<const torch::optim::AdamOptions&>(o);
+  return {a.lr(), std::get<0>(a.betas()), std::get<1>(a.betas()), a.eps(),
+          a.weight_decay(), a.amsgrad(), false};
+}
+
+// Mirrors torch.optim.adam._single_tensor_adam (not capturable, not
+// differentiable, not maximize).
+void adam_update(const AdamHyper& h, ShardView& v, int64_t step) {
+  at::Tensor grad = v.grad;
+  if (h.weight_decay != 0) {
+    if (h.decoupled) {
+      v.param.mul_(1 - h.lr * h.weight_decay);
+    } else {
+      grad = grad.add(v.param, h.weight_decay);
+    }
+  }
+  v.exp_avg.lerp_(grad, 1 - h.beta1);
+  v.exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, 1 - h.beta2);
+  // torch.optim reads the step from a float32 tensor and does the bias
+  // corrections in Python floats (double).
+  const double step_value = static_cast<double>(static_cast<float>(step));
+  const double bias_correction1 = 1 - std::pow(h.beta1, step_value);
+  const double bias_correction2 = 1 - std::pow(h.beta2, step_value);
+  const double step_size = h.lr / bias_correction1;
+  const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
+  at::Tensor denom;
+  if (h.amsgrad) {
+    at::maximum_out(v.max_exp_avg_sq, v.max_exp_avg_sq, v.exp_avg_sq);
+    denom = v.max_exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(h.eps);
+  } else {
+    denom = v.exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(h.eps);
+  }
+  v.param.addcdiv_(v.exp_avg, denom, -step_size);
+}
+
+// Mirrors torch.optim.sgd._single_tensor_sgd (not maximize).
+void sgd_update(const torch::optim::SGDOptions& o, ShardView& v, int64_t step) {
+  at::Tensor grad = v.grad;
+  if (o.weight_decay() != 0) {
+    grad = grad.add(v.param, o.weight_decay());
+  }
+  if (o.momentum() != 0) {
+    if (step == 1) {
+      // torch.optim creates the buffer as a clone of the first gradient.
+      v.momentum_buffer.copy_(grad);
+    } else {
+      v.momentum_buffer.mul_(o.momentum()).add_(grad, 1 - o.dampening());
+    }
+    if (o.nesterov()) {
+      grad = grad.add(v.momentum_buffer, o.momentum());
+    } else {
+      grad = v.momentum_buffer;
+    }
+  }
+  v.param.add_(grad, -o.lr());
+}
+
+}  // namespace
+
+const char* inner_optimizer_name(InnerOptimizerKind kind) {
+  switch (kind) {
+    case InnerOptimizerKind::kAdam:
+      return "adam";
+    case InnerOptimizerKind::kAdamW:
+      return "adamw";
+    case InnerOptimizerKind::kSGD:
+      return "sgd";
+  }
+  return "unknown";
+}
+
+InnerOptimizerKind parse_inner_optimizer(const std::string& name) {
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower == "adam") {
+    return InnerOptimizerKind::kAdam;
+  }
+  if (lower == "adamw") {
+    return InnerOptimizerKind::kAdamW;
+  }
+  if (lower == "sgd") {
+    return InnerOptimizerKind::kSGD;
+  }
+  TORCH_CHECK_VALUE(false, "unknown optimizer '", name,
+                    "'; expected one of 'adam', 'adamw', 'sgd'");
+}
+
+InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions& options) {
+  if (dynamic_cast<const torch::optim::AdamWOptions*>(&options) != nullptr) {
+    return InnerOptimizerKind::kAdamW;
+  }
+  if (dynamic_cast<const torch::optim::AdamOptions*>(&options) != nullptr) {
+    return InnerOptimizerKind::kAdam;
+  }
+  if (dynamic_cast<const torch::optim::SGDOptions*>(&options) != nullptr) {
+    return InnerOptimizerKind::kSGD;
+  }
+  TORCH_CHECK_VALUE(false,
+                    "unsupported inner optimizer options; zeroshard expects "
+                    "torch::optim::AdamOptions, AdamWOptions or SGDOptions");
+}
+
+void validate_inner_options(InnerOptimizerKind kind,
+                            const torch::optim::OptimizerOptions& options) {
+  TORCH_CHECK_VALUE(inner_optimizer_kind_of(options) == kind,
+                    "parameter group options are not ", inner_optimizer_name(kind),
+                    " options; every group must use the optimizer's options type");
+  if (kind == InnerOptimizerKind::kSGD) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+    TORCH_CHECK_VALUE(o.lr() >= 0, "Invalid learning rate: ", o.lr(), " (expected lr >= 0)");
+    TORCH_CHECK_VALUE(o.momentum() >= 0, "Invalid momentum value: ", o.momentum(),
+                      " (expected momentum >= 0)");
+    TORCH_CHECK_VALUE(o.weight_decay() >= 0, "Invalid weight_decay value: ",
+                      o.weight_decay(), " (expected weight_decay >= 0)");
+    TORCH_CHECK_VALUE(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
+                      "Nesterov momentum requires a momentum > 0 and zero dampening; got "
+                      "momentum ",
+                      o.momentum(), ", dampening ", o.dampening());
+    return;
+  }
+  const AdamHyper h = adam_hyper(kind, options);
+  TORCH_CHECK_VALUE(h.lr >= 0, "Invalid learning rate: ", h.lr, " (expected lr >= 0)");
+  TORCH_CHECK_VALUE(h.eps >= 0, "Invalid epsilon value: ", h.eps, " (expected eps >= 0)");
+  TORCH_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1, "Invalid beta parameter at index 0: ",
+                    h.beta1, " (expected 0 <= beta1 < 1)");
+  TORCH_CHECK_VALUE(h.beta2 >= 0 && h.beta2 < 1, "Invalid beta parameter at index 1: ",
+                    h.beta2, " (expected 0 <= beta2 < 1)");
+  TORCH_CHECK_VALUE(h.weight_decay >= 0, "Invalid weight_decay value: ", h.weight_decay,
+                    " (expected weight_decay >= 0)");
+}
+
+int64_t optimizer_state_count(InnerOptimizerKind kind,
+                              const torch::optim::OptimizerOptions& options) {
+  if (kind == InnerOptimizerKind::kSGD) {
+    return static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0 ? 1 : 0;
+  }
+  return adam_hyper(kind, options).amsgrad ? 3 : 2;
+}
+
+void apply_inner_update(InnerOptimizerKind kind,
+                        const torch::optim::OptimizerOptions& options, ShardView& view,
+                        int64_t step) {
+  if (kind == InnerOptimizerKind::kSGD) {
+    sgd_update(static_cast<const torch::optim::SGDOptions&>(options), view, step);
+  } else {
+    adam_update(adam_hyper(kind, options), view, step);
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,173 @@
+// Saving and restoring a ZeroOptimizer's per-rank shard. See
+// [Note: Checkpoint format] in docs/design.md.
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/ops/tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/serialize/input-archive.h>
+#include <torch/csrc/api/include/torch/serialize/output-archive.h>
+
+#include <map>
+
+namespace zeroshard {
+namespace {
+
+constexpr int64_t kFormatVersion = 1;
+
+at::Tensor scalar_tensor(int64_t value) { return at::tensor({value}, at::kLong); }
+
+std::string group_key(size_t g, const char* name) {
+  return "group" + std::to_string(g) + "_" + name;
+}
+
+const char* const kStateNames[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                   "momentum_buffer"};
+
+}  // namespace
+
+ShardState ZeroOptimizer::shard_state() const {
+  ShardState state;
+  state.emplace_back("meta_format_version", scalar_tensor(kFormatVersion));
+  state.emplace_back("meta_world_size", scalar_tensor(comm_->world_size()));
+  state.emplace_back("meta_rank", scalar_tensor(comm_->rank()));
+  state.emplace_back("meta_stage", scalar_tensor(options_.stage()));
+  state.emplace_back("meta_inner_optimizer",
+                     scalar_tensor(static_cast<int64_t>(inner_kind_)));
+  state.emplace_back("meta_layout_fingerprint", scalar_tensor(layout_->fingerprint()));
+  state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(shards_.size())));
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    const GroupShards& shard = shards_[g];
+    const at::Tensor* tensors[] = {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
+                                   &shard.max_exp_avg_sq, &shard.momentum_buffer};
+    for (size_t k = 0; k < 5; ++k) {
+      if (tensors[k]->defined()) {
+        state.emplace_back(group_key(g, kStateNames[k]), tensors[k]->detach().clone());
+      }
+    }
+    state.emplace_back(group_key(g, "steps"), at::tensor(shard.steps, at::kLong));
+  }
+  return state;
+}
+
+void ZeroOptimizer::load_shard_state(const ShardState& state) {
+  // Validate locally, then agree across ranks before touching anything, so a
+  // bad file on one rank raises on every rank instead of leaving the others
+  // waiting in a collective.
+  std::map<std::string, at::Tensor> by_key(state.begin(), state.end());
+  std::string error;
+  try {
+    auto meta = [&](const char* key) {
+      auto it = by_key.find(key);
+      TORCH_CHECK_VALUE(it != by_key.end(), "not a zeroshard optimizer state: key '", key,
+                        "' is missing");
+      return it->second.item<int64_t>();
+    };
+    TORCH_CHECK_VALUE(meta("meta_format_version") == kFormatVersion,
+                      "zeroshard optimizer state has format version ",
+                      meta("meta_format_version"), "; this build reads version ",
+                      kFormatVersion);
+    const int64_t saved_world = meta("meta_world_size");
+    TORCH_CHECK_VALUE(saved_world == comm_->world_size(),
+                      "this optimizer state was saved by a run with world size ", saved_world,
+                      " but this run has world size ", comm_->world_size(),
+                      "; zeroshard resumes only at the world size it saved "
+                      "(resharding a checkpoint to another world size is not supported yet)");
+    TORCH_CHECK_VALUE(meta("meta_rank") == comm_->rank(), "this optimizer state belongs to rank ",
+                      meta("meta_rank"), " but was loaded on rank ", comm_->rank(),
+                      "; each rank must load the state it saved");
+    TORCH_CHECK_VALUE(meta("meta_stage") == options_.stage(),
+                      "this optimizer state was saved at ZeRO stage ", meta("meta_stage"),
+                      " but this optimizer runs stage ", options_.stage());
+    TORCH_CHECK_VALUE(meta("meta_inner_optimizer") == static_cast<int64_t>(inner_kind_),
+                      "this optimizer state was saved by another inner optimizer than ",
+                      inner_optimizer_name(inner_kind_));
+    TORCH_CHECK_VALUE(meta("meta_layout_fingerprint") == layout_->fingerprint(),
+                      "this optimizer state was saved with another partition layout "
+                      "(different parameters, groups or reduce_bucket_size)");
+    for (size_t g = 0; g < shards_.size(); ++g) {
+      for (const char* name : kStateNames) {
+        auto it = by_key.find(group_key(g, name));
+        if (it != by_key.end()) {
+          TORCH_CHECK_VALUE(it->second.numel() == shards_[g].master.numel(), "state '",
+                            it->first, "' has ", it->second.numel(), " elements, expected ",
+                            shards_[g].master.numel());
+        }
+      }
+      auto it = by_key.find(group_key(g, "steps"));
+      TORCH_CHECK_VALUE(it != by_key.end() &&
+                            it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
+                        "state '", group_key(g, "steps"), "' is missing or has the wrong size");
+    }
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  at::Tensor failed = at::tensor({static_cast<int32_t>(error.empty() ? 0 : 1)}, at::kInt)
+                          .to(shards_[0].master.device());
+  comm_->all_reduce_max(failed, "load_state_check");
+  TORCH_CHECK_VALUE(error.empty(), error);
+  TORCH_CHECK_VALUE(failed.cpu().item<int32_t>() == 0,
+                    "another rank could not load its zeroshard optimizer state (its error "
+                    "says why); nothing was loaded on any rank");
+
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    GroupShards& shard = shards_[g];
+    at::Tensor* tensors[] = {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
+                             &shard.max_exp_avg_sq, &shard.momentum_buffer};
+    for (size_t k = 0; k < 5; ++k) {
+      auto it = by_key.find(group_key(g, kStateNames[k]));
+      if (it == by_key.end()) {
+        continue;
+      }
+      if (!tensors[k]->defined()) {
+        *tensors[k] = at::empty_like(shard.master);
+      }
+      tensors[k]->copy_(it->second);
+    }
+    at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
+    const auto* data = steps.data_ptr<int64_t>();
+    shard.steps.assign(data, data + steps.numel());
+  }
+  gather_parameters();
+}
+
+void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [key, tensor] : shard_state()) {
+    archive.write(key, tensor);
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    torch::serialize::OutputArchive options_archive(archive.compilation_unit());
+    param_groups_[g].options().serialize(options_archive);
+    archive.write(group_key(g, "options"), options_archive);
+  }
+}
+
+void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
+  ShardState state;
+  auto read = [&](const std::string& key) {
+    at::Tensor tensor;
+    if (archive.try_read(key, tensor)) {
+      state.emplace_back(key, tensor);
+    }
+  };
+  for (const char* key : {"meta_format_version", "meta_world_size", "meta_rank", "meta_stage",
+                          "meta_inner_optimizer", "meta_layout_fingerprint", "meta_num_groups"}) {
+    read(key);
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const char* name : kStateNames) {
+      read(group_key(g, name));
+    }
+    read(group_key(g, "steps"));
+  }
+  load_shard_state(state);
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    torch::serialize::InputArchive options_archive;
+    if (archive.try_read(group_key(g, "options"), options_archive)) {
+      param_groups_[g].options().serialize(options_archive);
+    }
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,385 @@
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <deque>
+#include <unordered_map>
+
+namespace zeroshard {
+namespace {
+
+std::string bucket_tag(size_t group, size_t bucket) {
+  return "group" + std::to_string(group) + "/bucket" + std::to_string(bucket);
+}
+
+// Buckets in flight at once while reducing gradients: enough to overlap one
+// bucket's copy with the previous bucket's collective, while staging memory
+// stays bounded by two buckets.
+constexpr size_t kMaxBucketsInFlight = 2;
+
+}  // namespace
+
+void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
+  TORCH_CHECK_VALUE(options.stage() == 1, "unsupported ZeRO stage ", options.stage(),
+                    "; zeroshard implements stage 1 (optimizer state sharding). "
+                    "Stages 2 and 3 are not implemented yet");
+  TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
+                    "reduce_bucket_size must be >= 1 element, got ",
+                    options.reduce_bucket_size());
+  TORCH_CHECK_VALUE(
+      options.broadcast_from_rank() >= 0 && options.broadcast_from_rank() < world_size,
+      "broadcast_from_rank must be a rank in [0, ", world_size, "), got ",
+      options.broadcast_from_rank());
+}
+
+ZeroOptimizer::ZeroOptimizer(
+    const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options)
+    : Optimizer(param_groups, inner_defaults.clone()),
+      inner_kind_(inner_optimizer_kind_of(inner_defaults)),
+      options_(options) {
+  initialize(std::move(process_group));
+}
+
+ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                             const torch::optim::OptimizerOptions& inner_defaults,
+                             ZeroOptions options)
+    : ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup>{
+                        torch::optim::OptimizerParamGroup(std::move(params))},
+                    std::move(process_group), inner_defaults, options) {}
+
+void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+  // Every check here depends only on what every rank passed in, so a bad
+  // input fails on every rank before the first collective.
+  TORCH_CHECK_VALUE(process_group,
+                    "ZeroOptimizer needs a process group; got a null one");
+  comm_ = std::make_unique<Communicator>(std::move(process_group));
+  validate_zero_options(options_, comm_->world_size());
+  for (auto& group : param_groups_) {
+    validate_inner_options(inner_kind_, group.options());
+  }
+  validate_parameters();
+
+  std::vector<std::vector<int64_t>> numels;
+  for (const auto& group : param_groups_) {
+    std::vector<int64_t> group_numels;
+    for (const auto& param : group.params()) {
+      group_numels.push_back(param.numel());
+    }
+    numels.push_back(std::move(group_numels));
+  }
+  layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
+                                              options_.reduce_bucket_size());
+  check_layout_agrees_across_ranks();
+  build_group_shards();
+}
+
+void ZeroOptimizer::validate_parameters() const {
+  TORCH_CHECK_VALUE(!param_groups_.empty(), "ZeroOptimizer got no parameter groups");
+  std::unordered_map<const void*, std::pair<size_t, size_t>> seen;
+  c10::optional<c10::Device> device;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    TORCH_CHECK_VALUE(!params.empty(), "parameter group ", g, " has no parameters");
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& param = params[i];
+      TORCH_CHECK_VALUE(param.defined(), "parameter ", i, " of group ", g,
+                        " is an undefined tensor");
+      TORCH_CHECK_VALUE(param.is_leaf(), "parameter ", i, " of group ", g,
+                        " is not a leaf tensor (it was computed from other tensors); "
+                        "can't optimize a non-leaf Tensor: pass the leaf parameters");
+      TORCH_CHECK_VALUE(param.layout() == c10::kStrided, "parameter ", i, " of group ", g,
+                        " has layout ", param.layout(),
+                        "; zeroshard supports dense (strided) parameters only");
+      TORCH_CHECK_VALUE(at::isFloatingType(param.scalar_type()), "parameter ", i,
+                        " of group ", g, " has dtype ", param.scalar_type(),
+                        "; zeroshard expects floating-point parameters");
+      TORCH_CHECK_VALUE(param.scalar_type() == params[0].scalar_type(), "parameter ", i,
+                        " of group ", g, " has dtype ", param.scalar_type(),
+                        " but parameter 0 of the group has ", params[0].scalar_type(),
+                        "; all parameters of a group must share one dtype");
+      if (!device) {
+        device = param.device();
+      }
+      TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g,
+                        " is on ", param.device(), " but the first parameter is on ",
+                        *device, "; all parameters must be on one device");
+      auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), std::make_pair(g, i));
+      TORCH_CHECK_VALUE(inserted, "some parameters appear more than once: parameter ", i,
+                        " of group ", g, " is also parameter ", it->second.second,
+                        " of group ", it->second.first,
+                        "; each parameter may belong to exactly one group, once");
+    }
+  }
+}
+
+void ZeroOptimizer::check_layout_agrees_across_ranks() {
+  const int64_t fingerprint = layout_->fingerprint();
+  at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
+  extremes = extremes.to(param_groups_[0].params()[0].device());
+  comm_->all_reduce_max(extremes, "layout_check");
+  extremes = extremes.cpu();
+  const int64_t max_fp = extremes[0].item<int64_t>();
+  const int64_t min_fp = -extremes[1].item<int64_t>();
+  TORCH_CHECK(max_fp == fingerprint && min_fp == fingerprint,
+              "ranks built different partition layouts (this rank's fingerprint ",
+              fingerprint, ", smallest ", min_fp, ", largest ", max_fp,
+              "): every rank must pass the same parameters, with the same shapes, in the "
+              "same groups and order, and the same reduce_bucket_size");
+}
+
+void ZeroOptimizer::build_group_shards() {
+  const int64_t rank = comm_->rank();
+  at::NoGradGuard no_grad;
+  shards_.resize(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    auto& params = param_groups_[g].params();
+    GroupShards& shard = shards_[g];
+    const auto param_options = params[0].options().requires_grad(false);
+    shard.flat_param = at::zeros({layout.flat_numel()}, param_options);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
+      shard.flat_param.narrow(0, slot.flat_offset, slot.numel)
+          .copy_(params[i].detach().reshape({-1}));
+    }
+    comm_->broadcast(shard.flat_param, options_.broadcast_from_rank(),
+                     "group" + std::to_string(g) + "/initial_params");
+    // The model's parameters become views into the flat buffer, so the
+    // all-gather after each step writes them with no extra copy.
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
+      params[i].set_data(
+          shard.flat_param.narrow(0, slot.flat_offset, slot.numel).view(params[i].sizes()));
+    }
+    const auto fp32 = param_options.dtype(at::kFloat);
+    shard.master = at::empty({layout.shard_numel()}, fp32);
+    for (const auto& bucket : layout.buckets()) {
+      shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
+          .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, rank),
+                                         bucket.shard_numel));
+    }
+    shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
+    shard.steps.assign(params.size(), 0);
+    shard.segments = layout.segments_of_rank(rank);
+    ensure_state_tensors(g);
+  }
+}
+
+void ZeroOptimizer::ensure_state_tensors(size_t g) {
+  GroupShards& shard = shards_[g];
+  const auto options = shard.master.options();
+  const int64_t n = shard.master.numel();
+  const auto& group_options = param_groups_[g].options();
+  if (inner_kind_ == InnerOptimizerKind::kSGD) {
+    if (optimizer_state_count(inner_kind_, group_options) > 0 &&
+        !shard.momentum_buffer.defined()) {
+      shard.momentum_buffer = at::zeros({n}, options);
+    }
+    return;
+  }
+  if (!shard.exp_avg.defined()) {
+    shard.exp_avg = at::zeros({n}, options);
+    shard.exp_avg_sq = at::zeros({n}, options);
+  }
+  if (optimizer_state_count(inner_kind_, group_options) == 3 &&
+      !shard.max_exp_avg_sq.defined()) {
+    shard.max_exp_avg_sq = at::zeros({n}, options);
+  }
+}
+
+const at::Tensor& ZeroOptimizer::flat_parameters(size_t group) const {
+  TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ",
+                    shards_.size(), ")");
+  return shards_[group].flat_param;
+}
+
+int64_t ZeroOptimizer::optimizer_state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& shard : shards_) {
+    for (const at::Tensor* t : {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
+                                &shard.max_exp_avg_sq, &shard.momentum_buffer}) {
+      if (t->defined()) {
+        bytes += t->numel() * static_cast<int64_t>(t->element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+at::Tensor ZeroOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    // Hyper-parameters may have been edited since the last step (schedulers).
+    validate_inner_options(inner_kind_, param_groups_[g].options());
+    ensure_state_tensors(g);
+  }
+  const auto has_grad = global_grad_presence();
+  reduce_gradients();
+  update_shards(has_grad);
+  gather_parameters();
+  return loss;
+}
+
+std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
+  int64_t total = 0;
+  for (const auto& group : param_groups_) {
+    total += static_cast<int64_t>(group.params().size());
+  }
+  at::Tensor flags = at::zeros({total}, at::kInt);
+  auto* data = flags.data_ptr<int32_t>();
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i, ++index) {
+      const at::Tensor& grad = params[i].grad();
+      if (!grad.defined()) {
+        continue;
+      }
+      TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", i, " of group ", g,
+                        " has a sparse gradient; zeroshard does not support sparse "
+                        "gradients (use a dense embedding: sparse=False)");
+      TORCH_CHECK_VALUE(grad.sizes() == params[i].sizes(), "gradient of parameter ", i,
+                        " of group ", g, " has shape ", grad.sizes(),
+                        " but the parameter has shape ", params[i].sizes());
+      data[index] = 1;
+    }
+  }
+  flags = flags.to(param_groups_[0].params()[0].device());
+  comm_->all_reduce_max(flags, "grad_presence");
+  flags = flags.cpu();
+  data = flags.data_ptr<int32_t>();
+  std::vector<std::vector<bool>> has_grad(param_groups_.size());
+  index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
+      has_grad[g].push_back(data[index] != 0);
+    }
+  }
+  return has_grad;
+}
+
+void ZeroOptimizer::reduce_gradients() {
+  // Stage 1: full gradients exist in .grad; copy each bucket into a staging
+  // buffer and reduce-scatter it into this rank's gradient shard.
+  std::deque<std::pair<PendingCollective, at::Tensor>> in_flight;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    const auto& params = param_groups_[g].params();
+    GroupShards& shard = shards_[g];
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      const Bucket& bucket = layout.buckets()[b];
+      if (in_flight.size() >= kMaxBucketsInFlight) {
+        in_flight.front().first.wait();
+        in_flight.pop_front();
+      }
+      at::Tensor staging = at::empty({bucket.numel}, shard.flat_param.options());
+      int64_t filled = 0;  // elements of the bucket written so far
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        const ParamSlot& slot = layout.slots()[s];
+        if (slot.numel == 0) {
+          continue;
+        }
+        at::Tensor target = staging.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel);
+        const at::Tensor& grad = params[slot.param_index].grad();
+        if (grad.defined()) {
+          target.copy_(grad.reshape({-1}));
+        } else {
+          // Used on another rank but not here: contributes zero.
+          target.zero_();
+        }
+        filled = slot.flat_offset - bucket.flat_offset + slot.numel;
+      }
+      staging.narrow(0, filled, bucket.numel - filled).zero_();
+      at::Tensor output = shard.grad_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+      in_flight.emplace_back(comm_->reduce_scatter_sum(output, staging, bucket_tag(g, b)),
+                             staging);
+    }
+  }
+  while (!in_flight.empty()) {
+    in_flight.front().first.wait();
+    in_flight.pop_front();
+  }
+  for (auto& shard : shards_) {
+    // Gloo has no AVG: sum, then divide.
+    shard.grad_shard.div_(comm_->world_size());
+  }
+}
+
+void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    GroupShards& shard = shards_[g];
+    const auto& group_options = param_groups_[g].options();
+    for (size_t i = 0; i < shard.steps.size(); ++i) {
+      if (has_grad[g][i]) {
+        shard.steps[i] += 1;
+      }
+    }
+    at::Tensor grad32 = shard.grad_shard.scalar_type() == at::kFloat
+                            ? shard.grad_shard
+                            : shard.grad_shard.to(at::kFloat);
+    // Contiguous runs of owned segments that share a step count are updated
+    // with one call each; with no skipped parameters that is the whole shard.
+    const auto& segments = shard.segments;
+    size_t begin = 0;
+    while (begin < segments.size()) {
+      const ShardSegment& first = segments[begin];
+      if (!has_grad[g][first.param_index]) {
+        ++begin;
+        continue;
+      }
+      const int64_t step = shard.steps[first.param_index];
+      size_t end = begin + 1;
+      int64_t run_end = first.shard_offset + first.numel;
+      while (end < segments.size() && has_grad[g][segments[end].param_index] &&
+             shard.steps[segments[end].param_index] == step &&
+             segments[end].shard_offset == run_end) {
+        run_end += segments[end].numel;
+        ++end;
+      }
+      const int64_t offset = first.shard_offset;
+      const int64_t length = run_end - offset;
+      auto slice = [&](const at::Tensor& t) {
+        return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
+      };
+      ShardView view{slice(shard.master),         slice(grad32),
+                     slice(shard.exp_avg),        slice(shard.exp_avg_sq),
+                     slice(shard.max_exp_avg_sq), slice(shard.momentum_buffer)};
+      apply_inner_update(inner_kind_, group_options, view, step);
+      begin = end;
+    }
+  }
+}
+
+void ZeroOptimizer::gather_parameters() {
+  std::vector<PendingCollective> pending;
+  std::vector<at::Tensor> inputs;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    GroupShards& shard = shards_[g];
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      const Bucket& bucket = layout.buckets()[b];
+      at::Tensor input = shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
+                             .to(shard.flat_param.scalar_type());
+      at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+      pending.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
+      inputs.push_back(std::move(input));
+    }
+  }
+  for (auto& work : pending) {
+    work.wait();
+  }
+}
+
+}  // namespace zeroshard

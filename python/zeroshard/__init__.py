@@ -1,0 +1,10 @@
+"""zeroshard: ZeRO (Zero Redundancy Optimizer) stages over c10d, with a C++ core.
+
+The work happens in C++ (``zeroshard._C``); this package is a thin,
+idiomatic layer over it.
+"""
+
+from zeroshard.optimizer import ZeroOptimizer
+
+__all__ = ["ZeroOptimizer"]
+__version__ = "0.1.0"
