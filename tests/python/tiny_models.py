@@ -1,0 +1,96 @@
+"""Tiny models and a deterministic training loop shared by the tests.
+
+The model has what the brief asks every test to cover: uneven sizes, a
+tensor smaller than any world size, an empty tensor, tied input/output
+embeddings, modules called twice per forward, a parameter never used and one
+used only on some steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB, WIDTH, HIDDEN, SEQ = 11, 6, 13, 5
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4: every rank gets equal tokens
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.scale = nn.Parameter(torch.ones(1))
+        self.sometimes = nn.Parameter(torch.full((WIDTH,), 0.1))
+        self.unused = nn.Linear(3, 2)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.embed(tokens)
+        for _ in range(2):  # fc1 and fc2 run twice
+            h = self.fc2(torch.tanh(self.fc1(h))) * self.scale
+        if step % 2 == 0:
+            h = h + self.sometimes
+        return self.head(torch.tanh(h))
+
+
+def make_model(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def param_groups(model: TinyNet, lrs: tuple[float, float]) -> list[dict[str, Any]]:
+    """Two groups with different hyper-parameters."""
+    first = [model.embed.weight, model.fc1.weight, model.fc1.bias, model.empty]
+    second = [model.fc2.weight, model.fc2.bias, model.scale, model.sometimes,
+              model.unused.weight, model.unused.bias]
+    return [{"params": first, "lr": lrs[0]}, {"params": second, "lr": lrs[1]}]
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return tokens, targets
+
+
+def local_batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = global_batch(step)
+    per_rank = GLOBAL_BATCH // world_size
+    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    return tokens[sl], targets[sl]
+
+
+def train(model: TinyNet, optimizer: torch.optim.Optimizer, steps: int, rank: int,
+          world_size: int, first_step: int = 0,
+          scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+    """Runs ``steps`` steps; rank/world_size pick this rank's slice of the batch."""
+    scheduler = scheduler_factory(optimizer) if scheduler_factory else None
+    for step in range(first_step, first_step + steps):
+        tokens, targets = local_batch(step, rank, world_size)
+        optimizer.zero_grad()
+        logits = model(tokens, step)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
