@@ -1,0 +1,136 @@
+#include "zeroshard/partition_layout.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+namespace zeroshard {
+namespace {
+
+// Every element of every parameter is owned by exactly one rank, shards are
+// equal, buckets are padded by less than world_size.
+void ExpectExactCover(const GroupLayout& layout, const std::vector<int64_t>& numels) {
+  const int64_t world = layout.world_size();
+  EXPECT_EQ(layout.flat_numel() % world, 0);
+  std::vector<std::vector<int>> owners(numels.size());
+  for (size_t i = 0; i < numels.size(); ++i) {
+    owners[i].assign(numels[i], 0);
+  }
+  for (int64_t rank = 0; rank < world; ++rank) {
+    int64_t previous_end = 0;
+    for (const auto& segment : layout.segments_of_rank(rank)) {
+      EXPECT_GE(segment.shard_offset, previous_end) << "segments overlap in the shard";
+      previous_end = segment.shard_offset + segment.numel;
+      EXPECT_LE(previous_end, layout.shard_numel());
+      for (int64_t e = 0; e < segment.numel; ++e) {
+        owners[segment.param_index][segment.param_offset + e] += 1;
+      }
+    }
+  }
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (int64_t e = 0; e < numels[i]; ++e) {
+      ASSERT_EQ(owners[i][e], 1) << "param " << i << " element " << e;
+    }
+  }
+  int64_t real = 0;
+  for (auto n : numels) {
+    real += n;
+  }
+  EXPECT_EQ(layout.param_numel(), real);
+  for (const auto& bucket : layout.buckets()) {
+    EXPECT_EQ(bucket.numel % world, 0);
+    int64_t in_bucket = 0;
+    for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+      in_bucket += layout.slots()[s].numel;
+    }
+    EXPECT_LT(bucket.numel - in_bucket, world) << "padding must be < world_size";
+  }
+}
+
+TEST(PartitionLayoutTest, OneBucketGivesEachRankOneContiguousEqualSlice) {
+  GroupLayout layout({5, 3, 7}, /*world_size=*/4, /*bucket_numel=*/1000);
+  ASSERT_EQ(layout.buckets().size(), 1u);
+  EXPECT_EQ(layout.flat_numel(), 16);  // 15 padded to a multiple of 4
+  EXPECT_EQ(layout.shard_numel(), 4);
+  // Reverse registration order: the last parameter comes first.
+  EXPECT_EQ(layout.slot_of_param(2).flat_offset, 0);
+  EXPECT_EQ(layout.slot_of_param(1).flat_offset, 7);
+  EXPECT_EQ(layout.slot_of_param(0).flat_offset, 10);
+  // Rank 1 owns flat [4, 8): param 2 elements 4..6 and param 1 element 0.
+  auto segments = layout.segments_of_rank(1);
+  ASSERT_EQ(segments.size(), 2u);
+  EXPECT_EQ(segments[0].param_index, 2);
+  EXPECT_EQ(segments[0].param_offset, 4);
+  EXPECT_EQ(segments[0].numel, 3);
+  EXPECT_EQ(segments[1].param_index, 1);
+  EXPECT_EQ(segments[1].param_offset, 0);
+  EXPECT_EQ(segments[1].shard_offset, 3);
+  ExpectExactCover(layout, {5, 3, 7});
+}
+
+TEST(PartitionLayoutTest, EmptyTensorsAndTensorsSmallerThanTheWorld) {
+  const std::vector<int64_t> numels{0, 1, 0, 2, 1};
+  GroupLayout layout(numels, /*world_size=*/4, /*bucket_numel=*/1000);
+  EXPECT_EQ(layout.flat_numel(), 4);
+  EXPECT_EQ(layout.shard_numel(), 1);
+  ExpectExactCover(layout, numels);
+}
+
+TEST(PartitionLayoutTest, AllEmptyGroupHasNoBuckets) {
+  GroupLayout layout({0, 0}, /*world_size=*/3, /*bucket_numel=*/8);
+  EXPECT_EQ(layout.flat_numel(), 0);
+  EXPECT_EQ(layout.shard_numel(), 0);
+  EXPECT_TRUE(layout.buckets().empty());
+  EXPECT_TRUE(layout.segments_of_rank(2).empty());
+}
+
+TEST(PartitionLayoutTest, ParameterLargerThanBucketGetsItsOwnBucket) {
+  GroupLayout layout({3, 50, 4}, /*world_size=*/3, /*bucket_numel=*/10);
+  ASSERT_EQ(layout.buckets().size(), 3u);
+  EXPECT_EQ(layout.buckets()[1].numel, 51);
+  EXPECT_EQ(layout.buckets()[1].shard_offset, layout.buckets()[0].shard_numel);
+  ExpectExactCover(layout, {3, 50, 4});
+}
+
+TEST(PartitionLayoutTest, UnevenSizesAcrossWorldSizesAndBucketSizes) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int64_t> size(0, 40);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<int64_t> numels(1 + trial % 9);
+    for (auto& n : numels) {
+      n = size(rng);
+    }
+    for (int64_t world : {1, 2, 3, 4, 5, 7}) {
+      for (int64_t bucket : {1, 5, 16, 1000}) {
+        GroupLayout layout(numels, world, bucket);
+        ExpectExactCover(layout, numels);
+      }
+    }
+  }
+}
+
+TEST(PartitionLayoutTest, SeveralGroupsAndFingerprints) {
+  PartitionLayout a({{4, 5}, {6}}, 2, 1000);
+  PartitionLayout same({{4, 5}, {6}}, 2, 1000);
+  PartitionLayout regrouped({{4}, {5, 6}}, 2, 1000);
+  PartitionLayout other_world({{4, 5}, {6}}, 3, 1000);
+  PartitionLayout other_bucket({{4, 5}, {6}}, 2, 4);
+  ASSERT_EQ(a.groups().size(), 2u);
+  EXPECT_EQ(a.group(0).flat_numel(), 10);
+  EXPECT_EQ(a.group(1).flat_numel(), 6);
+  EXPECT_EQ(a.fingerprint(), same.fingerprint());
+  EXPECT_NE(a.fingerprint(), regrouped.fingerprint());
+  EXPECT_NE(a.fingerprint(), other_world.fingerprint());
+  EXPECT_NE(a.fingerprint(), other_bucket.fingerprint());
+}
+
+TEST(PartitionLayoutTest, RejectsInvalidArguments) {
+  EXPECT_THROW(GroupLayout({1}, 0, 10), c10::ValueError);
+  EXPECT_THROW(GroupLayout({1}, 2, 0), c10::ValueError);
+  EXPECT_THROW(GroupLayout({-1}, 2, 10), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace zeroshard

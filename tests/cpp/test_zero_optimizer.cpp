@@ -1,0 +1,254 @@
+// ZeroOptimizer on several ranks, as threads of one process meeting over a
+// HashStore with real Gloo process groups (as PyTorch's own c10d C++ tests
+// do), checked against LibTorch's torch::optim on the global batch.
+#include "zeroshard/zero_optimizer.h"
+
+#ifdef ZEROSHARD_WITH_GLOO
+#include "zeroshard/gloo_process_group.h"
+#endif
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/randn.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace zeroshard {
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;
+constexpr int kSteps = 8;
+
+// A tiny two-layer network held as raw leaf tensors (no torch::nn needed).
+struct TinyModel {
+  std::vector<at::Tensor> params;  // w1 [7,5], b1 [7], w2 [3,7], scale [1], unused [4]
+
+  explicit TinyModel(uint64_t seed) {
+    // A generator per call: ranks are threads, and the global one is shared.
+    auto generator = at::detail::createCPUGenerator(seed);
+    for (auto sizes : std::vector<std::vector<int64_t>>{{7, 5}, {7}, {3, 7}, {1}, {4}}) {
+      params.push_back((at::randn(sizes, generator) * 0.5).set_requires_grad(true));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& target) const {
+    at::Tensor h = (x.matmul(params[0].t()) + params[1]).tanh();
+    at::Tensor y = h.matmul(params[2].t()) * params[3];
+    return (y - target).pow(2).mean();
+  }
+};
+
+std::pair<at::Tensor, at::Tensor> GlobalBatch(int step) {
+  auto generator = at::detail::createCPUGenerator(100 + step);
+  at::Tensor x = at::randn({kGlobalBatch, 5}, generator);
+  return {x, at::randn({kGlobalBatch, 3}, generator)};
+}
+
+double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, (a[i].detach() - b[i].detach()).abs().max().item<double>());
+  }
+  return diff;
+}
+
+#ifdef ZEROSHARD_WITH_GLOO
+
+// Runs fn(rank, group) on `world` threads; returns each rank's error message
+// ("" when it succeeded).
+std::vector<std::string> RunRanks(
+    int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
+  // torch's FlightRecorder (one per process) reads its per-group status map
+  // before taking its lock, so Gloo groups enqueueing from several threads at
+  // once can crash inside torch. Ranks as processes don't share it; ranks as
+  // threads turn it off before the first group exists.
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank]() {
+      try {
+        auto group = make_gloo_process_group(store, rank, world, std::chrono::seconds(60));
+        fn(rank, group);
+      } catch (const c10::Error& e) {
+        errors[rank] = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  return errors;
+}
+
+std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& options) {
+  TinyModel model(/*seed=*/0);
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    optimizer = std::make_unique<torch::optim::AdamW>(model.params, *adamw);
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(
+        model.params, static_cast<const torch::optim::SGDOptions&>(options));
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    optimizer->zero_grad();
+    model.loss(x, target).backward();
+    optimizer->step();
+  }
+  return model.params;
+}
+
+void TrainRank(int rank, int world, TinyModel& model, ZeroOptimizer& optimizer, int first,
+               int last) {
+  const int64_t per_rank = kGlobalBatch / world;
+  for (int step = first; step < last; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    optimizer.zero_grad();
+    model.loss(x.narrow(0, rank * per_rank, per_rank),
+               target.narrow(0, rank * per_rank, per_rank))
+        .backward();
+    optimizer.step();
+  }
+}
+
+class ZeroOptimizerTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ZeroOptimizerTest, MatchesLibTorchAdamWAndSgdAfterEightSteps) {
+  const int world = GetParam();
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true);
+  for (const torch::optim::OptimizerOptions* options :
+       std::initializer_list<const torch::optim::OptimizerOptions*>{&adamw, &sgd}) {
+    const auto expected = TrainReference(*options);
+    std::vector<double> diffs(world, -1);
+    std::mutex mutex;
+    auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      TinyModel model(/*seed=*/rank);  // rank 0's values are broadcast
+      // A bucket of 16 elements: several buckets, parameters split across ranks.
+      ZeroOptimizer optimizer(model.params, pg, *options,
+                              ZeroOptions().stage(1).reduce_bucket_size(16));
+      TrainRank(rank, world, model, optimizer, 0, kSteps);
+      std::lock_guard<std::mutex> lock(mutex);
+      diffs[rank] = MaxDiff(model.params, expected);
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "rank " << rank;
+      EXPECT_GE(diffs[rank], 0.0);
+      EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world;
+    }
+  }
+}
+
+TEST_P(ZeroOptimizerTest, SaveLoadContinueEqualsUninterrupted) {
+  const int world = GetParam();
+  auto options = torch::optim::AdamWOptions(1e-2);
+  std::vector<double> diffs(world, -1);
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel straight(0);
+    ZeroOptimizer straight_optimizer(straight.params, pg, options);
+    TrainRank(rank, world, straight, straight_optimizer, 0, kSteps);
+
+    TinyModel first(0);
+    ZeroOptimizer first_optimizer(first.params, pg, options);
+    TrainRank(rank, world, first, first_optimizer, 0, kSteps / 2);
+    ShardState saved = first_optimizer.shard_state();
+
+    TinyModel resumed(42);  // other values: the load must restore them
+    ZeroOptimizer resumed_optimizer(resumed.params, pg, options);
+    resumed_optimizer.load_shard_state(saved);
+    TrainRank(rank, world, resumed, resumed_optimizer, kSteps / 2, kSteps);
+    diffs[rank] = MaxDiff(resumed.params, straight.params);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "");
+    EXPECT_EQ(diffs[rank], 0.0) << "rank " << rank;
+  }
+}
+
+TEST_P(ZeroOptimizerTest, OptimizerStateIsDividedByWorldSize) {
+  const int world = GetParam();
+  std::vector<int64_t> bytes(world, 0);
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3));
+    bytes[rank] = optimizer.optimizer_state_bytes();
+  });
+  const int64_t numel = 35 + 7 + 21 + 1 + 4;
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "");
+    const int64_t padded = (numel + world - 1) / world;  // one bucket
+    EXPECT_EQ(bytes[rank], padded * 3 * 4) << "fp32 master, exp_avg, exp_avg_sq";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ZeroOptimizerTest, ::testing::Values(2, 3));
+
+TEST(ZeroOptimizerErrorsTest, StateFromAnotherWorldSizeFailsOnEveryRank) {
+  std::vector<ShardState> saved(3);
+  auto save_errors = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3));
+    saved[rank] = optimizer.shard_state();
+  });
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3));
+    optimizer.load_shard_state(saved[rank]);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find("saved by a run with world size 3 but this run has world size 2"),
+              std::string::npos)
+        << errors[rank];
+  }
+}
+
+TEST(ZeroOptimizerErrorsTest, BadFileOnOneRankFailsOnEveryRank) {
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3));
+    ShardState state = optimizer.shard_state();
+    if (rank == 1) {
+      state.pop_back();  // drop a key: only rank 1's file is bad
+    }
+    optimizer.load_shard_state(state);
+  });
+  EXPECT_NE(errors[0].find("another rank could not load"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("is missing or has the wrong size"), std::string::npos) << errors[1];
+}
+
+TEST(ZeroOptimizerErrorsTest, DuplicateParameterAndBadStageFailOnEveryRank) {
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{model.params[0], model.params[1]});
+    groups.emplace_back(std::vector<at::Tensor>{model.params[1]});
+    ZeroOptimizer optimizer(groups, pg, torch::optim::AdamWOptions(1e-3));
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("some parameters appear more than once"), std::string::npos) << error;
+  }
+  errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3),
+                            ZeroOptions().stage(0));
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("unsupported ZeRO stage 0"), std::string::npos) << error;
+  }
+}
+
+#endif  // ZEROSHARD_WITH_GLOO
+
+}  // namespace
+}  // namespace zeroshard
