@@ -15,8 +15,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def core_sources() -> list[str]:
     """C++ sources of the core plus the bindings; the Gloo factory is C++-only."""
-    patterns = ["csrc/layout/*.cpp", "csrc/comm/communicator.cpp", "csrc/optim/*.cpp",
-                "csrc/optimizer/*.cpp", "csrc/bindings/*.cpp"]
+    patterns = [
+        "csrc/layout/*.cpp",
+        "csrc/comm/communicator.cpp",
+        "csrc/optim/*.cpp",
+        "csrc/optimizer/*.cpp",
+        "csrc/bindings/*.cpp",
+    ]
     sources: list[str] = []
     for pattern in patterns:
         sources += sorted(glob.glob(pattern, root_dir=ROOT))

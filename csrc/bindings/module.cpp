@@ -74,8 +74,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind 
 std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
-    const std::vector<py::dict>& group_hyperparameters, int64_t stage,
-    int64_t reduce_bucket_size, int64_t broadcast_from_rank) {
+    const std::vector<py::dict>& group_hyperparameters, int64_t stage, int64_t reduce_bucket_size,
+    int64_t broadcast_from_rank) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -83,8 +83,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
   for (size_t g = 0; g < groups.size(); ++g) {
     param_groups.emplace_back(groups[g], make_options(kind, group_hyperparameters[g]));
   }
-  auto defaults = make_options(kind, group_hyperparameters.empty() ? py::dict()
-                                                                   : group_hyperparameters[0]);
+  auto defaults =
+      make_options(kind, group_hyperparameters.empty() ? py::dict() : group_hyperparameters[0]);
   return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults,
                                          ZeroOptions()
                                              .stage(stage)
@@ -139,8 +139,7 @@ PYBIND11_MODULE(_C, m) {
             TORCH_CHECK_VALUE(values.size() == groups.size(), "expected ", groups.size(),
                               " hyper-parameter dicts, got ", values.size());
             for (size_t g = 0; g < groups.size(); ++g) {
-              zeroshard::apply_hyperparameters(self.inner_kind(), groups[g].options(),
-                                               values[g]);
+              zeroshard::apply_hyperparameters(self.inner_kind(), groups[g].options(), values[g]);
             }
           },
           py::arg("group_hyperparameters"))
@@ -178,18 +177,16 @@ PYBIND11_MODULE(_C, m) {
            [](ZeroOptimizer& self) {
              py::list out;
              for (const auto& e : self.communicator().event_log()) {
-               out.append(py::make_tuple(e.what, zeroshard::collective_kind_name(e.kind),
-                                         e.bytes, e.tag));
+               out.append(
+                   py::make_tuple(e.what, zeroshard::collective_kind_name(e.kind), e.bytes, e.tag));
              }
              return out;
            })
-      .def_property_readonly("rank",
-                             [](ZeroOptimizer& self) { return self.communicator().rank(); })
-      .def_property_readonly(
-          "world_size", [](ZeroOptimizer& self) { return self.communicator().world_size(); })
-      .def_property_readonly(
-          "layout_fingerprint",
-          [](const ZeroOptimizer& self) { return self.layout().fingerprint(); })
+      .def_property_readonly("rank", [](ZeroOptimizer& self) { return self.communicator().rank(); })
+      .def_property_readonly("world_size",
+                             [](ZeroOptimizer& self) { return self.communicator().world_size(); })
+      .def_property_readonly("layout_fingerprint",
+                             [](const ZeroOptimizer& self) { return self.layout().fingerprint(); })
       .def(
           "shard_numel",
           [](const ZeroOptimizer& self, size_t group) {

@@ -43,9 +43,8 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
   world_size_ = process_group_->getSize();
 }
 
-PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work,
-                                      CollectiveKind kind, int64_t bytes,
-                                      const std::string& tag) {
+PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
+                                      int64_t bytes, const std::string& tag) {
   stats_.calls += 1;
   switch (kind) {
     case CollectiveKind::kAllReduce:
@@ -64,16 +63,15 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work,
   if (log_enabled_) {
     log_.push_back(CommEvent{"launch", kind, bytes, tag});
   }
-  return PendingCollective(std::move(work), kind, bytes, tag,
-                           log_enabled_ ? &log_ : nullptr);
+  return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr);
 }
 
 void Communicator::all_reduce_sum(at::Tensor& tensor, const std::string& tag) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce,
-        bytes_of(tensor), tag)
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
+        tag)
       .wait();
 }
 
@@ -81,8 +79,8 @@ void Communicator::all_reduce_max(at::Tensor& tensor, const std::string& tag) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce,
-        bytes_of(tensor), tag)
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
+        tag)
       .wait();
 }
 
@@ -119,8 +117,8 @@ void Communicator::broadcast(at::Tensor& tensor, int64_t root, const std::string
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  track(process_group_->broadcast(tensors, options), CollectiveKind::kBroadcast,
-        bytes_of(tensor), tag)
+  track(process_group_->broadcast(tensors, options), CollectiveKind::kBroadcast, bytes_of(tensor),
+        tag)
       .wait();
 }
 

@@ -13,12 +13,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t world_size,
     std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size,
-                    "), got ", rank);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rank must be in [0, ", world_size, "), got ",
+                    rank);
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      store, static_cast<int>(rank), static_cast<int>(world_size), options);
+  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank),
+                                                             static_cast<int>(world_size), options);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, static_cast<int>(rank),
                                                        static_cast<int>(world_size));
   // Gloo serves CPU tensors, and CUDA tensors by staging them through host

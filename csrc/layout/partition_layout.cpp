@@ -24,12 +24,11 @@ uint64_t mix(uint64_t hash, int64_t value) {
 
 }  // namespace
 
-GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels,
-                         int64_t world_size, int64_t bucket_numel)
+GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
+                         int64_t bucket_numel)
     : world_size_(world_size), bucket_numel_(bucket_numel) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
-  TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ",
-                    bucket_numel);
+  TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ", bucket_numel);
   const auto num_params = static_cast<int64_t>(param_numels.size());
   slot_of_param_.assign(num_params, -1);
 
@@ -86,15 +85,14 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels,
 }
 
 const ParamSlot& GroupLayout::slot_of_param(int64_t param_index) const {
-  TORCH_CHECK_INDEX(param_index >= 0 && param_index < num_params(),
-                    "parameter index ", param_index, " out of range [0, ",
-                    num_params(), ")");
+  TORCH_CHECK_INDEX(param_index >= 0 && param_index < num_params(), "parameter index ", param_index,
+                    " out of range [0, ", num_params(), ")");
   return slots_[slot_of_param_[param_index]];
 }
 
 std::vector<ShardSegment> GroupLayout::segments_of_rank(int64_t rank) const {
-  TORCH_CHECK_INDEX(rank >= 0 && rank < world_size_, "rank ", rank,
-                    " out of range for world size ", world_size_);
+  TORCH_CHECK_INDEX(rank >= 0 && rank < world_size_, "rank ", rank, " out of range for world size ",
+                    world_size_);
   std::vector<ShardSegment> segments;
   for (const auto& bucket : buckets_) {
     const int64_t begin = rank_slice_offset(bucket, rank);
@@ -127,9 +125,8 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
   return hash;
 }
 
-PartitionLayout::PartitionLayout(
-    const std::vector<std::vector<int64_t>>& group_param_numels,
-    int64_t world_size, int64_t bucket_numel)
+PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
+                                 int64_t world_size, int64_t bucket_numel)
     : world_size_(world_size) {
   groups_.reserve(group_param_numels.size());
   for (const auto& numels : group_param_numels) {

@@ -21,12 +21,14 @@ struct AdamHyper {
 AdamHyper adam_hyper(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& o) {
   if (kind == InnerOptimizerKind::kAdamW) {
     const auto& w = static_cast<const torch::optim::AdamWOptions&>(o);
-    return {w.lr(), std::get<0>(w.betas()), std::get<1>(w.betas()), w.eps(),
-            w.weight_decay(), w.amsgrad(), true};
+    return {w.lr(),  std::get<0>(w.betas()), std::get<1>(w.betas()),
+            w.eps(), w.weight_decay(),       w.amsgrad(),
+            true};
   }
   const auto& a = static_cast<const torch::optim::AdamOptions&>(o);
-  return {a.lr(), std::get<0>(a.betas()), std::get<1>(a.betas()), a.eps(),
-          a.weight_decay(), a.amsgrad(), false};
+  return {a.lr(),  std::get<0>(a.betas()), std::get<1>(a.betas()),
+          a.eps(), a.weight_decay(),       a.amsgrad(),
+          false};
 }
 
 // Mirrors torch.optim.adam._single_tensor_adam (not capturable, not
@@ -129,16 +131,16 @@ InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions&
 
 void validate_inner_options(InnerOptimizerKind kind,
                             const torch::optim::OptimizerOptions& options) {
-  TORCH_CHECK_VALUE(inner_optimizer_kind_of(options) == kind,
-                    "parameter group options are not ", inner_optimizer_name(kind),
+  TORCH_CHECK_VALUE(inner_optimizer_kind_of(options) == kind, "parameter group options are not ",
+                    inner_optimizer_name(kind),
                     " options; every group must use the optimizer's options type");
   if (kind == InnerOptimizerKind::kSGD) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
     TORCH_CHECK_VALUE(o.lr() >= 0, "Invalid learning rate: ", o.lr(), " (expected lr >= 0)");
     TORCH_CHECK_VALUE(o.momentum() >= 0, "Invalid momentum value: ", o.momentum(),
                       " (expected momentum >= 0)");
-    TORCH_CHECK_VALUE(o.weight_decay() >= 0, "Invalid weight_decay value: ",
-                      o.weight_decay(), " (expected weight_decay >= 0)");
+    TORCH_CHECK_VALUE(o.weight_decay() >= 0, "Invalid weight_decay value: ", o.weight_decay(),
+                      " (expected weight_decay >= 0)");
     TORCH_CHECK_VALUE(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
                       "Nesterov momentum requires a momentum > 0 and zero dampening; got "
                       "momentum ",
@@ -148,10 +150,10 @@ void validate_inner_options(InnerOptimizerKind kind,
   const AdamHyper h = adam_hyper(kind, options);
   TORCH_CHECK_VALUE(h.lr >= 0, "Invalid learning rate: ", h.lr, " (expected lr >= 0)");
   TORCH_CHECK_VALUE(h.eps >= 0, "Invalid epsilon value: ", h.eps, " (expected eps >= 0)");
-  TORCH_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1, "Invalid beta parameter at index 0: ",
-                    h.beta1, " (expected 0 <= beta1 < 1)");
-  TORCH_CHECK_VALUE(h.beta2 >= 0 && h.beta2 < 1, "Invalid beta parameter at index 1: ",
-                    h.beta2, " (expected 0 <= beta2 < 1)");
+  TORCH_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1, "Invalid beta parameter at index 0: ", h.beta1,
+                    " (expected 0 <= beta1 < 1)");
+  TORCH_CHECK_VALUE(h.beta2 >= 0 && h.beta2 < 1, "Invalid beta parameter at index 1: ", h.beta2,
+                    " (expected 0 <= beta2 < 1)");
   TORCH_CHECK_VALUE(h.weight_decay >= 0, "Invalid weight_decay value: ", h.weight_decay,
                     " (expected weight_decay >= 0)");
 }
@@ -164,9 +166,8 @@ int64_t optimizer_state_count(InnerOptimizerKind kind,
   return adam_hyper(kind, options).amsgrad ? 3 : 2;
 }
 
-void apply_inner_update(InnerOptimizerKind kind,
-                        const torch::optim::OptimizerOptions& options, ShardView& view,
-                        int64_t step) {
+void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
+                        ShardView& view, int64_t step) {
   if (kind == InnerOptimizerKind::kSGD) {
     sgd_update(static_cast<const torch::optim::SGDOptions&>(options), view, step);
   } else {

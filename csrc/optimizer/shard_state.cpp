@@ -2,8 +2,8 @@
 // [Note: Checkpoint format] in docs/design.md.
 #include "zeroshard/zero_optimizer.h"
 
-#include <ATen/ops/tensor.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/serialize/input-archive.h>
 #include <torch/csrc/api/include/torch/serialize/output-archive.h>
@@ -32,8 +32,7 @@ ShardState ZeroOptimizer::shard_state() const {
   state.emplace_back("meta_world_size", scalar_tensor(comm_->world_size()));
   state.emplace_back("meta_rank", scalar_tensor(comm_->rank()));
   state.emplace_back("meta_stage", scalar_tensor(options_.stage()));
-  state.emplace_back("meta_inner_optimizer",
-                     scalar_tensor(static_cast<int64_t>(inner_kind_)));
+  state.emplace_back("meta_inner_optimizer", scalar_tensor(static_cast<int64_t>(inner_kind_)));
   state.emplace_back("meta_layout_fingerprint", scalar_tensor(layout_->fingerprint()));
   state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(shards_.size())));
   for (size_t g = 0; g < shards_.size(); ++g) {
@@ -64,9 +63,8 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
       return it->second.item<int64_t>();
     };
     TORCH_CHECK_VALUE(meta("meta_format_version") == kFormatVersion,
-                      "zeroshard optimizer state has format version ",
-                      meta("meta_format_version"), "; this build reads version ",
-                      kFormatVersion);
+                      "zeroshard optimizer state has format version ", meta("meta_format_version"),
+                      "; this build reads version ", kFormatVersion);
     const int64_t saved_world = meta("meta_world_size");
     TORCH_CHECK_VALUE(saved_world == comm_->world_size(),
                       "this optimizer state was saved by a run with world size ", saved_world,
@@ -89,15 +87,15 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
       for (const char* name : kStateNames) {
         auto it = by_key.find(group_key(g, name));
         if (it != by_key.end()) {
-          TORCH_CHECK_VALUE(it->second.numel() == shards_[g].master.numel(), "state '",
-                            it->first, "' has ", it->second.numel(), " elements, expected ",
+          TORCH_CHECK_VALUE(it->second.numel() == shards_[g].master.numel(), "state '", it->first,
+                            "' has ", it->second.numel(), " elements, expected ",
                             shards_[g].master.numel());
         }
       }
       auto it = by_key.find(group_key(g, "steps"));
-      TORCH_CHECK_VALUE(it != by_key.end() &&
-                            it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
-                        "state '", group_key(g, "steps"), "' is missing or has the wrong size");
+      TORCH_CHECK_VALUE(
+          it != by_key.end() && it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
+          "state '", group_key(g, "steps"), "' is missing or has the wrong size");
     }
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();

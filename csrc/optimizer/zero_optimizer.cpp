@@ -1,9 +1,9 @@
 #include "zeroshard/zero_optimizer.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <deque>
@@ -28,18 +28,17 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                     "; zeroshard implements stage 1 (optimizer state sharding). "
                     "Stages 2 and 3 are not implemented yet");
   TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
-                    "reduce_bucket_size must be >= 1 element, got ",
-                    options.reduce_bucket_size());
+                    "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
   TORCH_CHECK_VALUE(
       options.broadcast_from_rank() >= 0 && options.broadcast_from_rank() < world_size,
       "broadcast_from_rank must be a rank in [0, ", world_size, "), got ",
       options.broadcast_from_rank());
 }
 
-ZeroOptimizer::ZeroOptimizer(
-    const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-    c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-    const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options)
+ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                             const torch::optim::OptimizerOptions& inner_defaults,
+                             ZeroOptions options)
     : Optimizer(param_groups, inner_defaults.clone()),
       inner_kind_(inner_optimizer_kind_of(inner_defaults)),
       options_(options) {
@@ -50,15 +49,15 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                              const torch::optim::OptimizerOptions& inner_defaults,
                              ZeroOptions options)
-    : ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup>{
-                        torch::optim::OptimizerParamGroup(std::move(params))},
-                    std::move(process_group), inner_defaults, options) {}
+    : ZeroOptimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup(std::move(params))},
+          std::move(process_group), inner_defaults, options) {}
 
 void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
   // Every check here depends only on what every rank passed in, so a bad
   // input fails on every rank before the first collective.
-  TORCH_CHECK_VALUE(process_group,
-                    "ZeroOptimizer needs a process group; got a null one");
+  TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
   validate_zero_options(options_, comm_->world_size());
   for (auto& group : param_groups_) {
@@ -74,8 +73,8 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     }
     numels.push_back(std::move(group_numels));
   }
-  layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
-                                              options_.reduce_bucket_size());
+  layout_ =
+      std::make_unique<PartitionLayout>(numels, comm_->world_size(), options_.reduce_bucket_size());
   check_layout_agrees_across_ranks();
   build_group_shards();
 }
@@ -97,8 +96,8 @@ void ZeroOptimizer::validate_parameters() const {
       TORCH_CHECK_VALUE(param.layout() == c10::kStrided, "parameter ", i, " of group ", g,
                         " has layout ", param.layout(),
                         "; zeroshard supports dense (strided) parameters only");
-      TORCH_CHECK_VALUE(at::isFloatingType(param.scalar_type()), "parameter ", i,
-                        " of group ", g, " has dtype ", param.scalar_type(),
+      TORCH_CHECK_VALUE(at::isFloatingType(param.scalar_type()), "parameter ", i, " of group ", g,
+                        " has dtype ", param.scalar_type(),
                         "; zeroshard expects floating-point parameters");
       TORCH_CHECK_VALUE(param.scalar_type() == params[0].scalar_type(), "parameter ", i,
                         " of group ", g, " has dtype ", param.scalar_type(),
@@ -107,14 +106,13 @@ void ZeroOptimizer::validate_parameters() const {
       if (!device) {
         device = param.device();
       }
-      TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g,
-                        " is on ", param.device(), " but the first parameter is on ",
-                        *device, "; all parameters must be on one device");
+      TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g, " is on ",
+                        param.device(), " but the first parameter is on ", *device,
+                        "; all parameters must be on one device");
       auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), std::make_pair(g, i));
       TORCH_CHECK_VALUE(inserted, "some parameters appear more than once: parameter ", i,
-                        " of group ", g, " is also parameter ", it->second.second,
-                        " of group ", it->second.first,
-                        "; each parameter may belong to exactly one group, once");
+                        " of group ", g, " is also parameter ", it->second.second, " of group ",
+                        it->second.first, "; each parameter may belong to exactly one group, once");
     }
   }
 }
@@ -128,8 +126,8 @@ void ZeroOptimizer::check_layout_agrees_across_ranks() {
   const int64_t max_fp = extremes[0].item<int64_t>();
   const int64_t min_fp = -extremes[1].item<int64_t>();
   TORCH_CHECK(max_fp == fingerprint && min_fp == fingerprint,
-              "ranks built different partition layouts (this rank's fingerprint ",
-              fingerprint, ", smallest ", min_fp, ", largest ", max_fp,
+              "ranks built different partition layouts (this rank's fingerprint ", fingerprint,
+              ", smallest ", min_fp, ", largest ", max_fp,
               "): every rank must pass the same parameters, with the same shapes, in the "
               "same groups and order, and the same reduce_bucket_size");
 }
@@ -178,8 +176,7 @@ void ZeroOptimizer::ensure_state_tensors(size_t g) {
   const int64_t n = shard.master.numel();
   const auto& group_options = param_groups_[g].options();
   if (inner_kind_ == InnerOptimizerKind::kSGD) {
-    if (optimizer_state_count(inner_kind_, group_options) > 0 &&
-        !shard.momentum_buffer.defined()) {
+    if (optimizer_state_count(inner_kind_, group_options) > 0 && !shard.momentum_buffer.defined()) {
       shard.momentum_buffer = at::zeros({n}, options);
     }
     return;
@@ -188,15 +185,14 @@ void ZeroOptimizer::ensure_state_tensors(size_t g) {
     shard.exp_avg = at::zeros({n}, options);
     shard.exp_avg_sq = at::zeros({n}, options);
   }
-  if (optimizer_state_count(inner_kind_, group_options) == 3 &&
-      !shard.max_exp_avg_sq.defined()) {
+  if (optimizer_state_count(inner_kind_, group_options) == 3 && !shard.max_exp_avg_sq.defined()) {
     shard.max_exp_avg_sq = at::zeros({n}, options);
   }
 }
 
 const at::Tensor& ZeroOptimizer::flat_parameters(size_t group) const {
-  TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ",
-                    shards_.size(), ")");
+  TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ", shards_.size(),
+                    ")");
   return shards_[group].flat_param;
 }
 
@@ -303,8 +299,7 @@ void ZeroOptimizer::reduce_gradients() {
       }
       staging.narrow(0, filled, bucket.numel - filled).zero_();
       at::Tensor output = shard.grad_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
-      in_flight.emplace_back(comm_->reduce_scatter_sum(output, staging, bucket_tag(g, b)),
-                             staging);
+      in_flight.emplace_back(comm_->reduce_scatter_sum(output, staging, bucket_tag(g, b)), staging);
     }
   }
   while (!in_flight.empty()) {

@@ -32,8 +32,8 @@ int main() {
   // Under torchrun the agent already serves the store; otherwise rank 0 does.
   store_options.isServer = rank == 0 && env_or("TORCHELASTIC_USE_AGENT_STORE", "") != "True";
   store_options.numWorkers = world_size;
-  auto tcp_store = c10::make_intrusive<c10d::TCPStore>(env_or("MASTER_ADDR", "127.0.0.1"),
-                                                       store_options);
+  auto tcp_store =
+      c10::make_intrusive<c10d::TCPStore>(env_or("MASTER_ADDR", "127.0.0.1"), store_options);
   auto store = c10::make_intrusive<c10d::PrefixStore>("zeroshard_train_mlp", tcp_store);
   auto group = zeroshard::make_gloo_process_group(store, rank, world_size);
 
@@ -59,9 +59,8 @@ int main() {
     auto loss = torch::mse_loss(model->forward(x), y);
     loss.backward();
     optimizer.step();
-    const double ms = std::chrono::duration<double, std::milli>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (rank == 0 && step % 10 == 0) {
       std::cout << "step " << step << " loss " << loss.item<double>() << " step_ms " << ms
                 << " optimizer_state_bytes " << optimizer.optimizer_state_bytes() << std::endl;

@@ -17,12 +17,15 @@ from zeroshard import _C
 
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-             "amsgrad": False},
-    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
-              "amsgrad": False},
-    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
-            "nesterov": False},
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
+    "adamw": {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 1e-2,
+        "amsgrad": False,
+    },
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
 
 _STATE_KEY = "zeroshard_shard"
@@ -31,9 +34,7 @@ _STATE_KEY = "zeroshard_shard"
 def _canonical_optimizer(name: str) -> str:
     key = name.lower() if isinstance(name, str) else name
     if key not in _DEFAULTS:
-        raise ValueError(
-            f"unknown optimizer {name!r}; expected one of {sorted(_DEFAULTS)}"
-        )
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(_DEFAULTS)}")
     return key
 
 
@@ -142,8 +143,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard plus the hyper-parameters; save one file per rank."""
         base = super().state_dict()
-        return {"state": {}, "param_groups": base["param_groups"],
-                _STATE_KEY: self._impl.shard_state()}
+        return {
+            "state": {},
+            "param_groups": base["param_groups"],
+            _STATE_KEY: self._impl.shard_state(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Collective: restores a state saved by ``state_dict()`` on the same rank."""

@@ -29,8 +29,8 @@ double MaxDiffAgainstLibTorch(InnerOptimizerKind kind, const Options& options) {
     reference.step();
   }
   // Ours, on a flat shard.
-  ShardView view{initial.clone(), at::Tensor(), at::zeros({37}), at::zeros({37}),
-                 at::zeros({37}), at::zeros({37})};
+  ShardView view{initial.clone(), at::Tensor(),    at::zeros({37}),
+                 at::zeros({37}), at::zeros({37}), at::zeros({37})};
   for (int i = 0; i < kSteps; ++i) {
     view.grad = grads[i];
     apply_inner_update(kind, options, view, i + 1);
@@ -46,8 +46,7 @@ TEST(InnerOptimizerTest, AdamWMatchesLibTorch) {
 
 TEST(InnerOptimizerTest, AdamWithAmsgradAndWeightDecayMatchesLibTorch) {
   auto options = torch::optim::AdamOptions(1e-2).weight_decay(0.05).amsgrad(true);
-  EXPECT_LE((MaxDiffAgainstLibTorch<torch::optim::Adam>(InnerOptimizerKind::kAdam, options)),
-            1e-6);
+  EXPECT_LE((MaxDiffAgainstLibTorch<torch::optim::Adam>(InnerOptimizerKind::kAdam, options)), 1e-6);
 }
 
 TEST(InnerOptimizerTest, SgdNesterovMatchesLibTorch) {
@@ -72,8 +71,7 @@ TEST(InnerOptimizerTest, ParsesNamesAndRejectsUnknownOnes) {
 }
 
 TEST(InnerOptimizerTest, ValidatesHyperParameters) {
-  EXPECT_THROW(validate_inner_options(InnerOptimizerKind::kAdamW,
-                                      torch::optim::AdamWOptions(-1.0)),
+  EXPECT_THROW(validate_inner_options(InnerOptimizerKind::kAdamW, torch::optim::AdamWOptions(-1.0)),
                c10::ValueError);
   EXPECT_THROW(validate_inner_options(InnerOptimizerKind::kAdam,
                                       torch::optim::AdamOptions(1e-3).betas({1.0, 0.9})),

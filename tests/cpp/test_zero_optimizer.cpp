@@ -115,8 +115,7 @@ void TrainRank(int rank, int world, TinyModel& model, ZeroOptimizer& optimizer, 
   for (int step = first; step < last; ++step) {
     auto [x, target] = GlobalBatch(step);
     optimizer.zero_grad();
-    model.loss(x.narrow(0, rank * per_rank, per_rank),
-               target.narrow(0, rank * per_rank, per_rank))
+    model.loss(x.narrow(0, rank * per_rank, per_rank), target.narrow(0, rank * per_rank, per_rank))
         .backward();
     optimizer.step();
   }

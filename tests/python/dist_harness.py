@@ -32,12 +32,16 @@ class RankError:
     traceback: str
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any],
-            args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
         value: Any = fn(rank, world_size, *args)
@@ -51,16 +55,18 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any],
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
-              timeout: float = 180.0) -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0
+) -> list[Any]:
     """Calls ``fn(rank, world_size, *args)`` on every rank; returns results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, init_file, fn, args, results))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         collected: dict[int, Any] = {}
@@ -71,7 +77,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
         except queue.Empty:
             raise AssertionError(
                 f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish "
-                f"within {timeout}s (hang)") from None
+                f"within {timeout}s (hang)"
+            ) from None
         finally:
             for p in procs:
                 p.join(timeout=30)
@@ -84,6 +91,7 @@ def unwrap(results: list[Any]) -> list[Any]:
     """Fails the test with the rank's traceback if any rank raised."""
     for rank, value in enumerate(results):
         if isinstance(value, RankError):
-            raise AssertionError(f"rank {rank} raised {value.type_name}: {value.message}\n"
-                                 f"{value.traceback}")
+            raise AssertionError(
+                f"rank {rank} raised {value.type_name}: {value.message}\n{value.traceback}"
+            )
     return results

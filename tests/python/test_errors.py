@@ -12,10 +12,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import RankError, run_ranks
 from torch import nn
 
 import zeroshard
+
+from dist_harness import RankError, run_ranks
 
 
 def _one_parameter_in_two_groups() -> None:
@@ -29,13 +30,15 @@ def _non_leaf_tensor() -> None:
 
 
 def _mixed_dtypes_in_a_group() -> None:
-    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3)),
-                             nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    zeroshard.ZeroOptimizer(
+        [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.float64))]
+    )
 
 
 def _mixed_devices() -> None:
-    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3)),
-                             nn.Parameter(torch.ones(3, device="meta"))])
+    zeroshard.ZeroOptimizer(
+        [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, device="meta"))]
+    )
 
 
 def _integer_parameter() -> None:
@@ -86,11 +89,17 @@ def _not_a_zeroshard_state_dict() -> None:
 
 # name: (scenario, expected exception type, words the message must contain)
 SCENARIOS: dict[str, tuple[Callable[[], None], str, str]] = {
-    "one_parameter_in_two_groups": (_one_parameter_in_two_groups, "ValueError",
-                                    "more than one parameter group"),
+    "one_parameter_in_two_groups": (
+        _one_parameter_in_two_groups,
+        "ValueError",
+        "more than one parameter group",
+    ),
     "non_leaf_tensor": (_non_leaf_tensor, "ValueError", "non-leaf"),
-    "mixed_dtypes": (_mixed_dtypes_in_a_group, "ValueError",
-                     "all parameters of a group must share one dtype"),
+    "mixed_dtypes": (
+        _mixed_dtypes_in_a_group,
+        "ValueError",
+        "all parameters of a group must share one dtype",
+    ),
     "mixed_devices": (_mixed_devices, "ValueError", "all parameters must be on one device"),
     "integer_parameter": (_integer_parameter, "ValueError", "floating-point parameters"),
     "sparse_gradient": (_sparse_gradient, "ValueError", "sparse gradient"),
@@ -98,12 +107,21 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str]] = {
     "unknown_optimizer": (_unknown_optimizer, "ValueError", "unknown optimizer 'adamax'"),
     "unknown_hyperparameter": (_unknown_hyperparameter, "TypeError", "['betas']"),
     "negative_lr": (_negative_learning_rate, "ValueError", "Invalid learning rate: -0.001"),
-    "negative_lr_set_later": (_negative_learning_rate_set_later, "ValueError",
-                              "Invalid learning rate: -0.5"),
-    "add_param_group_late": (_add_param_group_after_construction, "RuntimeError",
-                             "cannot add parameter groups after construction"),
-    "not_a_zeroshard_state_dict": (_not_a_zeroshard_state_dict, "ValueError",
-                                   "not a zeroshard.ZeroOptimizer state dict"),
+    "negative_lr_set_later": (
+        _negative_learning_rate_set_later,
+        "ValueError",
+        "Invalid learning rate: -0.5",
+    ),
+    "add_param_group_late": (
+        _add_param_group_after_construction,
+        "RuntimeError",
+        "cannot add parameter groups after construction",
+    ),
+    "not_a_zeroshard_state_dict": (
+        _not_a_zeroshard_state_dict,
+        "ValueError",
+        "not a zeroshard.ZeroOptimizer state dict",
+    ),
 }
 
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks, unwrap
-from tiny_models import make_model, max_abs_diff, param_groups, snapshot, step_lr, train
 
 import zeroshard
+
+from dist_harness import run_ranks, unwrap
+from tiny_models import make_model, max_abs_diff, param_groups, snapshot, step_lr, train
 
 STEPS = 10
 TOLERANCE = 1e-6
@@ -22,16 +23,19 @@ TOLERANCE = 1e-6
 CONFIGS: dict[str, tuple[str, tuple[float, float], dict[str, Any], dict[str, Any], Any]] = {
     "adamw": ("adamw", (1e-2, 5e-3), {"weight_decay": 0.1}, {}, None),
     "adam_amsgrad": ("adam", (1e-2, 5e-3), {"weight_decay": 0.01, "amsgrad": True}, {}, None),
-    "sgd_nesterov": ("sgd", (0.05, 0.1),
-                     {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}, {}, None),
+    "sgd_nesterov": (
+        "sgd",
+        (0.05, 0.1),
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {},
+        None,
+    ),
     "sgd_dampening": ("sgd", (0.05, 0.1), {"momentum": 0.9, "dampening": 0.25}, {}, None),
-    "adamw_16_element_buckets": ("adamw", (1e-2, 5e-3), {}, {"reduce_bucket_size": 16},
-                                 None),
+    "adamw_16_element_buckets": ("adamw", (1e-2, 5e-3), {}, {"reduce_bucket_size": 16}, None),
     "adamw_step_lr": ("adamw", (1e-2, 5e-3), {}, {}, step_lr),
 }
 
-_TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-                     "sgd": torch.optim.SGD}
+_TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:
@@ -46,8 +50,9 @@ def _train_all_configs(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (kind, lrs, hyper, extras, scheduler) in CONFIGS.items():
         model = make_model(seed=rank)  # differs per rank on purpose
-        optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), kind, stage=1,
-                                            **extras, **hyper)
+        optimizer = zeroshard.ZeroOptimizer(
+            param_groups(model, lrs), kind, stage=1, **extras, **hyper
+        )
         train(model, optimizer, STEPS, rank, world_size, scheduler_factory=scheduler)
         out[name] = {
             "params": snapshot(model),
@@ -58,7 +63,8 @@ def _train_all_configs(rank: int, world_size: int) -> dict[str, Any]:
             "stored_state_bytes": sum(
                 t.numel() * t.element_size()
                 for k, t in optimizer.state_dict()["zeroshard_shard"].items()
-                if not (k.startswith("meta_") or k.endswith("_steps"))),
+                if not (k.startswith("meta_") or k.endswith("_steps"))
+            ),
         }
     return out
 
@@ -89,8 +95,12 @@ def test_scheduler_changes_are_applied(trained) -> None:
     # And the lr changes reached the C++ update: without them the parameters
     # would differ from the reference (checked above); also confirm they differ
     # from a run with a constant lr.
-    assert max_abs_diff(results[0]["adamw_step_lr"]["params"],
-                        results[0]["adamw_16_element_buckets"]["params"]) > 1e-4
+    assert (
+        max_abs_diff(
+            results[0]["adamw_step_lr"]["params"], results[0]["adamw_16_element_buckets"]["params"]
+        )
+        > 1e-4
+    )
 
 
 def test_optimizer_state_is_divided_by_world_size(trained) -> None:
@@ -102,8 +112,10 @@ def test_optimizer_state_is_divided_by_world_size(trained) -> None:
         # Padding: fewer than world_size elements per bucket (one bucket per
         # group here), 12 bytes each.
         padding_bound = 2 * (world_size - 1) * 12
-        print(f"world_size={world_size} rank={rank}: optimizer state {per_rank} B, "
-              f"full model {full} B, full/N {full / world_size:.1f} B")
+        print(
+            f"world_size={world_size} rank={rank}: optimizer state {per_rank} B, "
+            f"full model {full} B, full/N {full / world_size:.1f} B"
+        )
         assert per_rank == sum(r["shard_numels"]) * 12
         assert per_rank == r["stored_state_bytes"]
         assert full / world_size <= per_rank <= full / world_size + padding_bound
@@ -120,8 +132,10 @@ def _save_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     model = make_model(seed=0)
     optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), "adamw", weight_decay=0.1)
     train(model, optimizer, STEPS // 2, rank, world_size)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-               f"{directory}/rank{rank}.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+        f"{directory}/rank{rank}.pt",
+    )
     del model, optimizer
     model = make_model(seed=123)
     optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), "adamw", weight_decay=0.1)
@@ -139,11 +153,13 @@ def _load_at_world_size(rank: int, world_size: int, directory: str) -> None:
 
 
 def test_save_reload_continue_equals_uninterrupted_and_other_world_size_is_refused(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     for result in unwrap(run_ranks(3, _save_resume, str(tmp_path))):
         assert max_abs_diff(result["resumed"], result["uninterrupted"]) == 0.0
     results = run_ranks(2, _load_at_world_size, str(tmp_path))
     for rank, result in enumerate(results):
         assert getattr(result, "type_name", None) == "ValueError", (rank, result)
-        assert ("saved by a run with world size 3 but this run has world size 2"
-                in result.message), result.message
+        assert "saved by a run with world size 3 but this run has world size 2" in result.message, (
+            result.message
+        )

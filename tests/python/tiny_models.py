@@ -48,8 +48,14 @@ def make_model(seed: int = 0) -> TinyNet:
 def param_groups(model: TinyNet, lrs: tuple[float, float]) -> list[dict[str, Any]]:
     """Two groups with different hyper-parameters."""
     first = [model.embed.weight, model.fc1.weight, model.fc1.bias, model.empty]
-    second = [model.fc2.weight, model.fc2.bias, model.scale, model.sometimes,
-              model.unused.weight, model.unused.bias]
+    second = [
+        model.fc2.weight,
+        model.fc2.bias,
+        model.scale,
+        model.sometimes,
+        model.unused.weight,
+        model.unused.bias,
+    ]
     return [{"params": first, "lr": lrs[0]}, {"params": second, "lr": lrs[1]}]
 
 
@@ -67,9 +73,15 @@ def local_batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, to
     return tokens[sl], targets[sl]
 
 
-def train(model: TinyNet, optimizer: torch.optim.Optimizer, steps: int, rank: int,
-          world_size: int, first_step: int = 0,
-          scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+def train(
+    model: TinyNet,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    rank: int,
+    world_size: int,
+    first_step: int = 0,
+    scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> None:
     """Runs ``steps`` steps; rank/world_size pick this rank's slice of the batch."""
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     for step in range(first_step, first_step + steps):

@@ -44,8 +44,8 @@ struct CommEvent {
 class PendingCollective {
  public:
   PendingCollective() = default;
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
-                    int64_t bytes, std::string tag, std::vector<CommEvent>* log)
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
+                    std::string tag, std::vector<CommEvent>* log)
       : work_(std::move(work)), kind_(kind), bytes_(bytes), tag_(std::move(tag)), log_(log) {}
   void wait();
   bool pending() const { return static_cast<bool>(work_); }
@@ -64,9 +64,7 @@ class Communicator {
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const {
-    return process_group_;
-  }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
 
   // Sums `tensor` across ranks in place (blocking).
   void all_reduce_sum(at::Tensor& tensor, const std::string& tag);
@@ -77,8 +75,7 @@ class Communicator {
   PendingCollective reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
                                        const std::string& tag);
   // output = concatenation over ranks of input.
-  PendingCollective all_gather(at::Tensor& output, at::Tensor& input,
-                               const std::string& tag);
+  PendingCollective all_gather(at::Tensor& output, at::Tensor& input, const std::string& tag);
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
 
   const CommStats& stats() const { return stats_; }
@@ -90,8 +87,8 @@ class Communicator {
   void clear_event_log() { log_.clear(); }
 
  private:
-  PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
-                          int64_t bytes, const std::string& tag);
+  PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
+                          const std::string& tag);
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   int64_t rank_;

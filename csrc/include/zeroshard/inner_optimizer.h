@@ -23,8 +23,7 @@ InnerOptimizerKind parse_inner_optimizer(const std::string& name);
 // SGDOptions); throws for any other options type.
 InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions& options);
 // Throws, naming the value, if the hyper-parameters are out of range.
-void validate_inner_options(InnerOptimizerKind kind,
-                            const torch::optim::OptimizerOptions& options);
+void validate_inner_options(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
 
 // Number of fp32 state tensors per element kept by this kind and options
 // (Adam/AdamW: exp_avg, exp_avg_sq and max_exp_avg_sq with amsgrad; SGD: a
@@ -34,18 +33,17 @@ int64_t optimizer_state_count(InnerOptimizerKind kind,
 
 // One contiguous run of a shard whose parameters share a step count.
 struct ShardView {
-  at::Tensor param;           // fp32 master values, updated in place
-  at::Tensor grad;            // fp32, same shape
-  at::Tensor exp_avg;         // Adam/AdamW
-  at::Tensor exp_avg_sq;      // Adam/AdamW
-  at::Tensor max_exp_avg_sq;  // Adam/AdamW with amsgrad
-  at::Tensor momentum_buffer; // SGD with momentum
+  at::Tensor param;            // fp32 master values, updated in place
+  at::Tensor grad;             // fp32, same shape
+  at::Tensor exp_avg;          // Adam/AdamW
+  at::Tensor exp_avg_sq;       // Adam/AdamW
+  at::Tensor max_exp_avg_sq;   // Adam/AdamW with amsgrad
+  at::Tensor momentum_buffer;  // SGD with momentum
 };
 
 // Applies one update. `step` is the step count after incrementing (1 on the
 // first update of these elements).
-void apply_inner_update(InnerOptimizerKind kind,
-                        const torch::optim::OptimizerOptions& options, ShardView& view,
-                        int64_t step);
+void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
+                        ShardView& view, int64_t step);
 
 }  // namespace zeroshard

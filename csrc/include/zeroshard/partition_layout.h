@@ -58,8 +58,7 @@ struct ShardSegment {
 // The layout of one parameter group.
 class GroupLayout {
  public:
-  GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
-              int64_t bucket_numel);
+  GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel);
 
   int64_t world_size() const { return world_size_; }
   int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
@@ -100,8 +99,8 @@ class GroupLayout {
 // The layout of all parameter groups of one optimizer.
 class PartitionLayout {
  public:
-  PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
-                  int64_t world_size, int64_t bucket_numel);
+  PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels, int64_t world_size,
+                  int64_t bucket_numel);
 
   int64_t world_size() const { return world_size_; }
   const std::vector<GroupLayout>& groups() const { return groups_; }

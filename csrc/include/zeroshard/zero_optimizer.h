@@ -40,12 +40,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
  public:
   ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                const torch::optim::OptimizerOptions& inner_defaults,
-                ZeroOptions options = {});
+                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {});
   ZeroOptimizer(std::vector<at::Tensor> params,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                const torch::optim::OptimizerOptions& inner_defaults,
-                ZeroOptions options = {});
+                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {});
 
   // Collective: every rank must call it. Reads each parameter's .grad, which
   // holds that rank's local gradient (gradients are averaged across ranks
@@ -84,9 +82,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     at::Tensor master;      // 1D, shard_numel, fp32
     at::Tensor exp_avg;     // 1D, shard_numel, fp32 (Adam/AdamW)
     at::Tensor exp_avg_sq;
-    at::Tensor max_exp_avg_sq;   // amsgrad only
-    at::Tensor momentum_buffer;  // SGD with momentum only
-    std::vector<int64_t> steps;  // per parameter: updates applied so far
+    at::Tensor max_exp_avg_sq;           // amsgrad only
+    at::Tensor momentum_buffer;          // SGD with momentum only
+    std::vector<int64_t> steps;          // per parameter: updates applied so far
     std::vector<ShardSegment> segments;  // what this rank owns
   };
 
