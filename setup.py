@@ -19,6 +19,7 @@ def core_sources() -> list[str]:
         "csrc/layout/*.cpp",
         "csrc/comm/communicator.cpp",
         "csrc/optim/*.cpp",
+        "csrc/grads/*.cpp",
         "csrc/optimizer/*.cpp",
         "csrc/bindings/*.cpp",
     ]

@@ -75,7 +75,7 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
     const std::vector<py::dict>& group_hyperparameters, int64_t stage, int64_t reduce_bucket_size,
-    int64_t broadcast_from_rank) {
+    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -89,7 +89,9 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
                                          ZeroOptions()
                                              .stage(stage)
                                              .reduce_bucket_size(reduce_bucket_size)
-                                             .broadcast_from_rank(broadcast_from_rank));
+                                             .broadcast_from_rank(broadcast_from_rank)
+                                             .max_norm(max_norm)
+                                             .max_buckets_in_flight(max_buckets_in_flight));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -131,7 +133,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
-           py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"))
+           py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"),
+           py::arg("max_norm"), py::arg("max_buckets_in_flight"))
       .def(
           "set_hyperparameters",
           [](ZeroOptimizer& self, const std::vector<py::dict>& values) {
@@ -162,6 +165,16 @@ PYBIND11_MODULE(_C, m) {
             self.load_shard_state(entries);
           },
           py::arg("state"))
+      .def(
+          "zero_grad", [](ZeroOptimizer& self, bool set_to_none) { self.zero_grad(set_to_none); },
+          py::arg("set_to_none") = true, py::call_guard<py::gil_scoped_release>())
+      .def("clip_grad_norm", &ZeroOptimizer::clip_grad_norm, py::arg("max_norm"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_gradient_sync", &ZeroOptimizer::set_gradient_sync, py::arg("enabled"))
+      .def("gradient_sync", &ZeroOptimizer::gradient_sync)
+      .def("gradient_bytes", &ZeroOptimizer::gradient_bytes)
+      .def("peak_staging_bytes", &ZeroOptimizer::peak_staging_bytes)
+      .def("reset_peak_staging_bytes", &ZeroOptimizer::reset_peak_staging_bytes)
       .def("optimizer_state_bytes", &ZeroOptimizer::optimizer_state_bytes)
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
       .def("comm_stats",
@@ -191,6 +204,18 @@ PYBIND11_MODULE(_C, m) {
           "shard_numel",
           [](const ZeroOptimizer& self, size_t group) {
             return self.layout().group(group).shard_numel();
+          },
+          py::arg("group"))
+      .def(
+          "flat_numel",
+          [](const ZeroOptimizer& self, size_t group) {
+            return self.layout().group(group).flat_numel();
+          },
+          py::arg("group"))
+      .def(
+          "num_buckets",
+          [](const ZeroOptimizer& self, size_t group) {
+            return self.layout().group(group).buckets().size();
           },
           py::arg("group"))
       .def(

@@ -13,6 +13,8 @@ int64_t bytes_of(const at::Tensor& tensor) {
 
 const char* collective_kind_name(CollectiveKind kind) {
   switch (kind) {
+    case CollectiveKind::kNone:
+      return "none";
     case CollectiveKind::kAllReduce:
       return "all_reduce";
     case CollectiveKind::kReduceScatter:
@@ -47,6 +49,8 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
                                       int64_t bytes, const std::string& tag) {
   stats_.calls += 1;
   switch (kind) {
+    case CollectiveKind::kNone:
+      break;
     case CollectiveKind::kAllReduce:
       stats_.all_reduce_bytes += bytes;
       break;

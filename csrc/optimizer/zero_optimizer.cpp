@@ -6,7 +6,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
-#include <deque>
 #include <unordered_map>
 
 namespace zeroshard {
@@ -16,17 +15,17 @@ std::string bucket_tag(size_t group, size_t bucket) {
   return "group" + std::to_string(group) + "/bucket" + std::to_string(bucket);
 }
 
-// Buckets in flight at once while reducing gradients: enough to overlap one
-// bucket's copy with the previous bucket's collective, while staging memory
-// stays bounded by two buckets.
-constexpr size_t kMaxBucketsInFlight = 2;
-
 }  // namespace
 
 void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
-  TORCH_CHECK_VALUE(options.stage() == 1, "unsupported ZeRO stage ", options.stage(),
-                    "; zeroshard implements stage 1 (optimizer state sharding). "
-                    "Stages 2 and 3 are not implemented yet");
+  TORCH_CHECK_VALUE(options.stage() == 1 || options.stage() == 2, "unsupported ZeRO stage ",
+                    options.stage(),
+                    "; zeroshard implements stage 1 (optimizer state sharding) and stage 2 "
+                    "(optimizer state and gradient sharding). Stage 3 is not implemented yet");
+  TORCH_CHECK_VALUE(options.max_norm() >= 0, "max_norm must be >= 0 (0 turns clipping off), got ",
+                    options.max_norm());
+  TORCH_CHECK_VALUE(options.max_buckets_in_flight() >= 1,
+                    "max_buckets_in_flight must be >= 1, got ", options.max_buckets_in_flight());
   TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
                     "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
   TORCH_CHECK_VALUE(
@@ -77,6 +76,21 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       std::make_unique<PartitionLayout>(numels, comm_->world_size(), options_.reduce_bucket_size());
   check_layout_agrees_across_ranks();
   build_group_shards();
+  std::vector<at::Tensor> grad_shards;
+  std::vector<std::vector<at::Tensor>> params;
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    grad_shards.push_back(shards_[g].grad_shard);
+    params.push_back(param_groups_[g].params());
+  }
+  buckets_ = std::make_unique<GradientBuckets>(
+      *layout_, *comm_, std::move(grad_shards),
+      static_cast<size_t>(options_.max_buckets_in_flight()));
+  if (options_.stage() >= 2) {
+    hooks_ = std::make_unique<GradientHooks>(
+        params,
+        [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
+        [this]() { on_backward_end(); });
+  }
 }
 
 void ZeroOptimizer::validate_parameters() const {
@@ -221,11 +235,149 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     validate_inner_options(inner_kind_, param_groups_[g].options());
     ensure_state_tensors(g);
   }
+  finish_gradient_reduction();
   const auto has_grad = global_grad_presence();
-  reduce_gradients();
+  if (options_.max_norm() > 0) {
+    clip_grad_norm(options_.max_norm());
+  }
   update_shards(has_grad);
   gather_parameters();
+  // The step consumes the gradients.
+  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  clear_gradient_shards();
   return loss;
+}
+
+void ZeroOptimizer::zero_grad(bool set_to_none) {
+  Optimizer::zero_grad(set_to_none);
+  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  if (!buckets_->round_open()) {
+    clear_gradient_shards();
+  }
+}
+
+void ZeroOptimizer::clear_gradient_shards() {
+  buckets_->wait_all();
+  buckets_->reset();
+  for (auto& shard : shards_) {
+    shard.grad_shard.zero_();
+  }
+  gradients_reduced_ = false;
+}
+
+void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
+  if (!gradient_sync_) {
+    return;  // no_sync: the gradient stays in .grad
+  }
+  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", i, " of group ", g,
+                    " has a sparse gradient; zeroshard does not support sparse "
+                    "gradients (use a dense embedding: sparse=False)");
+  at::NoGradGuard no_grad;
+  comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  buckets_->add_gradient(g, i, grad);
+  gradients_reduced_ = false;
+  // The full gradient now lives in the bucket; only the shard stays.
+  grad.reset();
+}
+
+at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
+  at::Tensor& grad = param_groups_[g].params()[i].mutable_grad();
+  at::Tensor taken = grad;
+  grad.reset();
+  return taken;
+}
+
+void ZeroOptimizer::on_backward_end() {
+  if (!gradient_sync_) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
+                  /*force_round=*/false);
+  buckets_->wait_all();
+}
+
+void ZeroOptimizer::finish_gradient_reduction() {
+  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  if (gradients_reduced_) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  if (options_.stage() == 1) {
+    // Full gradients are in .grad; feed them in flat-buffer order so buckets
+    // complete, and launch, one after another.
+    clear_gradient_shards();
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      const auto& params = param_groups_[g].params();
+      for (const ParamSlot& slot : layout_->group(g).slots()) {
+        const at::Tensor& grad = params[slot.param_index].grad();
+        if (!grad.defined()) {
+          continue;
+        }
+        TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", slot.param_index,
+                          " of group ", g,
+                          " has a sparse gradient; zeroshard does not support sparse "
+                          "gradients (use a dense embedding: sparse=False)");
+        TORCH_CHECK_VALUE(grad.sizes() == params[slot.param_index].sizes(),
+                          "gradient of parameter ", slot.param_index, " of group ", g,
+                          " has shape ", grad.sizes(), " but the parameter has shape ",
+                          params[slot.param_index].sizes());
+        buckets_->add_gradient(g, slot.param_index, grad);
+      }
+    }
+    buckets_->flush(nullptr, /*force_round=*/true);
+  } else {
+    // Gradients still in .grad (accumulated under no_sync) and buckets not yet
+    // launched go now; a rank whose backward produced no gradient at all still
+    // issues the round the other ranks issued.
+    buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
+                    /*force_round=*/true);
+  }
+  buckets_->wait_all();
+  for (auto& shard : shards_) {
+    // Gloo has no AVG: sum, then divide.
+    shard.grad_shard.div_(comm_->world_size());
+  }
+  gradients_reduced_ = true;
+}
+
+at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
+  finish_gradient_reduction();
+  at::NoGradGuard no_grad;
+  at::Tensor squares = at::zeros({1}, shards_[0].master.options());
+  for (const auto& shard : shards_) {
+    squares.add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
+  }
+  comm_->all_reduce_sum(squares, "grad_norm");
+  at::Tensor total_norm = squares.sqrt().squeeze(0);
+  // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
+  // reciprocal() * scalar), coefficient clamped at 1.
+  at::Tensor coefficient = total_norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0);
+  for (auto& shard : shards_) {
+    shard.grad_shard.mul_(coefficient.to(shard.grad_shard.scalar_type()));
+  }
+  return total_norm;
+}
+
+int64_t ZeroOptimizer::gradient_bytes() const {
+  int64_t bytes = buckets_->live_staging_bytes();
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    bytes += shards_[g].grad_shard.numel() *
+             static_cast<int64_t>(shards_[g].grad_shard.element_size());
+    for (const auto& param : param_groups_[g].params()) {
+      if (param.grad().defined()) {
+        bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());
+      }
+    }
+  }
+  return bytes;
 }
 
 std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
@@ -237,19 +389,8 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
   auto* data = flags.data_ptr<int32_t>();
   int64_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto& params = param_groups_[g].params();
-    for (size_t i = 0; i < params.size(); ++i, ++index) {
-      const at::Tensor& grad = params[i].grad();
-      if (!grad.defined()) {
-        continue;
-      }
-      TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", i, " of group ", g,
-                        " has a sparse gradient; zeroshard does not support sparse "
-                        "gradients (use a dense embedding: sparse=False)");
-      TORCH_CHECK_VALUE(grad.sizes() == params[i].sizes(), "gradient of parameter ", i,
-                        " of group ", g, " has shape ", grad.sizes(),
-                        " but the parameter has shape ", params[i].sizes());
-      data[index] = 1;
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
+      data[index] = buckets_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
     }
   }
   flags = flags.to(param_groups_[0].params()[0].device());
@@ -264,52 +405,6 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
     }
   }
   return has_grad;
-}
-
-void ZeroOptimizer::reduce_gradients() {
-  // Stage 1: full gradients exist in .grad; copy each bucket into a staging
-  // buffer and reduce-scatter it into this rank's gradient shard.
-  std::deque<std::pair<PendingCollective, at::Tensor>> in_flight;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const GroupLayout& layout = layout_->group(g);
-    const auto& params = param_groups_[g].params();
-    GroupShards& shard = shards_[g];
-    for (size_t b = 0; b < layout.buckets().size(); ++b) {
-      const Bucket& bucket = layout.buckets()[b];
-      if (in_flight.size() >= kMaxBucketsInFlight) {
-        in_flight.front().first.wait();
-        in_flight.pop_front();
-      }
-      at::Tensor staging = at::empty({bucket.numel}, shard.flat_param.options());
-      int64_t filled = 0;  // elements of the bucket written so far
-      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
-        const ParamSlot& slot = layout.slots()[s];
-        if (slot.numel == 0) {
-          continue;
-        }
-        at::Tensor target = staging.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel);
-        const at::Tensor& grad = params[slot.param_index].grad();
-        if (grad.defined()) {
-          target.copy_(grad.reshape({-1}));
-        } else {
-          // Used on another rank but not here: contributes zero.
-          target.zero_();
-        }
-        filled = slot.flat_offset - bucket.flat_offset + slot.numel;
-      }
-      staging.narrow(0, filled, bucket.numel - filled).zero_();
-      at::Tensor output = shard.grad_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
-      in_flight.emplace_back(comm_->reduce_scatter_sum(output, staging, bucket_tag(g, b)), staging);
-    }
-  }
-  while (!in_flight.empty()) {
-    in_flight.front().first.wait();
-    in_flight.pop_front();
-  }
-  for (auto& shard : shards_) {
-    // Gloo has no AVG: sum, then divide.
-    shard.grad_shard.div_(comm_->world_size());
-  }
 }
 
 void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {

@@ -7,7 +7,8 @@ hyper-parameters to the C++ core at every step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -53,11 +54,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter-group dicts, as for any torch.optim optimizer.
         optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
-        stage: ZeRO stage; 1 shards the optimizer state.
+        stage: ZeRO stage. 1 shards the optimizer state; gradients are
+            averaged inside ``step()``. 2 also shards the gradients: autograd
+            hooks reduce-scatter them bucket by bucket during backward and
+            release each parameter's ``.grad``, so after backward ``.grad`` is
+            None and each rank holds only its gradient shard.
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
         reduce_bucket_size: elements per gradient bucket (DeepSpeed's key).
         broadcast_from_rank: rank whose initial parameters every rank adopts.
+        max_norm: clip gradients to this global L2 norm inside ``step()``
+            (None: no clipping); see also ``clip_grad_norm_``.
+        max_buckets_in_flight: gradient buckets whose collectives may be
+            outstanding at once (bounds staging memory).
         **optimizer_kwargs: the inner optimizer's hyper-parameters (lr, betas,
             eps, weight_decay, amsgrad; or lr, momentum, dampening,
             weight_decay, nesterov for SGD).
@@ -76,6 +85,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         reduce_bucket_size: int = 500_000_000,
         broadcast_from_rank: int = 0,
+        max_norm: float | None = None,
+        max_buckets_in_flight: int = 2,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -114,6 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             stage,
             int(reduce_bucket_size),
             int(broadcast_from_rank),
+            float(max_norm or 0.0),
+            int(max_buckets_in_flight),
         )
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
@@ -139,6 +152,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._impl.set_hyperparameters(self._hyperparameters())
         self._impl.step()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears ``.grad`` of every parameter and, at stage 2, the gradient shard."""
+        super().zero_grad(set_to_none)
+        if self._impl is not None:
+            self._impl.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Collective: clips the gradients to a global L2 norm; returns the total norm.
+
+        Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Call it
+        between backward and ``step()`` on every rank (at stage 2 ``.grad`` is
+        released, so ``torch.nn.utils.clip_grad_norm_`` would see no gradients).
+        """
+        return self._impl.clip_grad_norm(float(max_norm))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate into ``.grad`` with no communication.
+
+        As ``DistributedDataParallel.no_sync``: use it for the micro-steps before
+        an accumulation boundary; the first backward outside it (or ``step()``)
+        reduces everything accumulated. Costs a full gradient's memory meanwhile.
+        """
+        previous = self._impl.gradient_sync()
+        self._impl.set_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._impl.set_gradient_sync(previous)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard plus the hyper-parameters; save one file per rank."""
@@ -173,6 +216,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 master + inner state)."""
         return int(self._impl.optimizer_state_bytes())
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients held now: shard, live staging buffers, any ``.grad``."""
+        return int(self._impl.gradient_bytes())
+
+    def peak_staging_bytes(self) -> int:
+        """Largest gradient staging footprint since the last reset."""
+        return int(self._impl.peak_staging_bytes())
+
+    def reset_peak_staging_bytes(self) -> None:
+        """Restarts peak tracking of the gradient staging buffers."""
+        self._impl.reset_peak_staging_bytes()
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes handed to collectives since construction or the last reset."""

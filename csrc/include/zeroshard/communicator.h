@@ -16,7 +16,8 @@
 
 namespace zeroshard {
 
-enum class CollectiveKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+// kNone marks log entries that are not collectives (e.g. "grad_ready").
+enum class CollectiveKind { kNone, kAllReduce, kReduceScatter, kAllGather, kBroadcast };
 
 const char* collective_kind_name(CollectiveKind kind);
 
@@ -84,6 +85,12 @@ class Communicator {
   // The event log records launches and waits in order while enabled.
   void set_event_log_enabled(bool enabled) { log_enabled_ = enabled; }
   const std::vector<CommEvent>& event_log() const { return log_; }
+  // Records a non-collective event (e.g. a gradient hook firing) in the log.
+  void note(const std::string& what, const std::string& tag) {
+    if (log_enabled_) {
+      log_.push_back(CommEvent{what, CollectiveKind::kNone, 0, tag});
+    }
+  }
   void clear_event_log() { log_.clear(); }
 
  private:

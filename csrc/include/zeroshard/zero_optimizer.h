@@ -1,5 +1,6 @@
 // zeroshard::ZeroOptimizer: a torch::optim::Optimizer that shards the
-// optimizer state (ZeRO-1) across the ranks of a c10d process group.
+// optimizer state (ZeRO-1) and, at stage 2, the gradients across the ranks of
+// a c10d process group.
 //
 //   auto pg = ...;  // c10::intrusive_ptr<c10d::ProcessGroup>
 //   zeroshard::ZeroOptimizer optimizer(model->parameters(), pg,
@@ -9,15 +10,18 @@
 //   optimizer.step();
 //
 // One step, see docs/design.md: gradients are reduce-scattered bucket by
-// bucket into this rank's gradient shard (and divided by the world size),
-// the inner optimizer updates the fp32 master shard, and the updated shards
-// are all-gathered straight into the model's parameters, which are views into
-// one flat buffer per group.
+// bucket into this rank's gradient shard (at stage 1 from .grad inside
+// step(); at stage 2 from autograd hooks during backward, releasing each
+// .grad), divided by the world size, the inner optimizer updates the fp32
+// master shard, and the updated shards are all-gathered straight into the
+// model's parameters, which are views into one flat buffer per group.
 //
 // Thread-safety: like any torch::optim::Optimizer, drive it from one thread.
 #pragma once
 
 #include "zeroshard/communicator.h"
+#include "zeroshard/gradient_buckets.h"
+#include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/zero_options.h"
@@ -26,6 +30,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +55,30 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // here). Parameters with no gradient on any rank are left untouched, as
   // torch.optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  // Clears the gradients: each parameter's .grad (as torch::optim does) and,
+  // at stage 2, the accumulated gradient shard. Hides the non-virtual base
+  // method; step() also consumes the shard, so code holding a base reference
+  // stays correct.
+  void zero_grad(bool set_to_none = true);
+
+  // Collective. Clips the gradients (the shard, after reduction) to a global
+  // L2 norm of max_norm, as torch.nn.utils.clip_grad_norm_ does on the
+  // unsharded model, and returns the total norm before clipping.
+  at::Tensor clip_grad_norm(double max_norm);
+
+  // While false (stage 2), backward passes leave gradients accumulating in
+  // .grad with no communication, as DDP's no_sync(); the next backward with
+  // sync on (or step()) reduces them.
+  void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
+  bool gradient_sync() const { return gradient_sync_; }
+
+  // Bytes of gradient storage held now: the gradient shard, staging buffers
+  // alive, and any .grad still set on the parameters.
+  int64_t gradient_bytes() const;
+  // Largest staging-buffer footprint since construction or the last reset.
+  int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
+  void reset_peak_staging_bytes() { buckets_->reset_peak_staging_bytes(); }
 
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
   const ZeroOptions& zero_options() const { return options_; }
@@ -93,9 +122,16 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void check_layout_agrees_across_ranks();
   void build_group_shards();
   void ensure_state_tensors(size_t group);
-  // One all-reduce: 1 where any rank has a gradient for the parameter.
+  // One all-reduce: 1 where any rank had a gradient for the parameter.
   std::vector<std::vector<bool>> global_grad_presence();
-  void reduce_gradients();
+  // Brings every rank's gradient shard to the averaged gradient (idempotent
+  // until the next step): stage 1 reduces .grad now, stage 2 flushes what the
+  // hooks left.
+  void finish_gradient_reduction();
+  void clear_gradient_shards();
+  void on_gradient(size_t group, int64_t index, const at::Tensor& param);
+  void on_backward_end();
+  at::Tensor take_leftover_grad(size_t group, int64_t index);
   void update_shards(const std::vector<std::vector<bool>>& has_grad);
   void gather_parameters();
 
@@ -104,6 +140,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<PartitionLayout> layout_;
   std::vector<GroupShards> shards_;
+  std::unique_ptr<GradientBuckets> buckets_;
+  std::unique_ptr<GradientHooks> hooks_;  // stage 2 only
+  std::mutex gradient_mutex_;             // hooks vs. the training thread
+  bool gradients_reduced_ = false;        // shards hold the averaged gradient
+  bool gradient_sync_ = true;
 };
 
 }  // namespace zeroshard

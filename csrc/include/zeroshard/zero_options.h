@@ -11,11 +11,17 @@
 namespace zeroshard {
 
 struct ZeroOptions {
-  // 1: optimizer state sharded. (Stages 2 and 3 are not implemented yet.)
+  // 1: optimizer state sharded; gradients reduced at step().
+  // 2: gradients sharded too, reduced from autograd hooks during backward.
+  // (Stage 3 is not implemented yet.)
   TORCH_ARG(int64_t, stage) = 1;
   // Elements per gradient bucket (DeepSpeed's reduce_bucket_size; its default
   // 5e8). Also the all-gather granularity of updated parameters.
   TORCH_ARG(int64_t, reduce_bucket_size) = 500000000;
+  // Global-norm gradient clipping inside step(); 0 turns it off.
+  TORCH_ARG(double, max_norm) = 0;
+  // Gradient buckets whose collectives may be outstanding at once.
+  TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
   // Rank whose initial parameter values every rank starts from.
   TORCH_ARG(int64_t, broadcast_from_rank) = 0;
 };

@@ -1,0 +1,209 @@
+#include "zeroshard/gradient_buckets.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <string>
+
+namespace zeroshard {
+namespace {
+
+int64_t bytes_of(const at::Tensor& tensor) {
+  return tensor.numel() * static_cast<int64_t>(tensor.element_size());
+}
+
+std::string bucket_tag(size_t group, size_t bucket) {
+  return "group" + std::to_string(group) + "/bucket" + std::to_string(bucket);
+}
+
+}  // namespace
+
+GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& comm,
+                                 std::vector<at::Tensor> grad_shards, size_t max_in_flight)
+    : layout_(layout),
+      comm_(comm),
+      grad_shards_(std::move(grad_shards)),
+      max_in_flight_(std::max<size_t>(1, max_in_flight)) {
+  TORCH_INTERNAL_ASSERT(grad_shards_.size() == layout_.groups().size());
+  buckets_.resize(layout_.groups().size());
+  reported_.resize(layout_.groups().size());
+  for (size_t g = 0; g < layout_.groups().size(); ++g) {
+    const GroupLayout& group = layout_.group(g);
+    buckets_[g].resize(group.buckets().size());
+    reported_[g].assign(group.num_params(), false);
+    for (size_t b = 0; b < group.buckets().size(); ++b) {
+      order_.emplace_back(g, b);
+    }
+  }
+  start_round();
+}
+
+void GradientBuckets::start_round() {
+  next_launch_ = 0;
+  round_started_ = false;
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    const GroupLayout& group = layout_.group(g);
+    for (size_t b = 0; b < buckets_[g].size(); ++b) {
+      const Bucket& bucket = group.buckets()[b];
+      BucketState& state = buckets_[g][b];
+      state.filled.assign(bucket.end_slot - bucket.first_slot, false);
+      state.pending = 0;
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        state.pending += group.slots()[s].numel > 0 ? 1 : 0;
+      }
+    }
+  }
+}
+
+void GradientBuckets::ensure_staging(size_t g, size_t b) {
+  BucketState& state = buckets_[g][b];
+  if (state.staging.defined()) {
+    return;
+  }
+  const Bucket& bucket = layout_.group(g).buckets()[b];
+  state.staging = at::empty({bucket.numel}, grad_shards_[g].options());
+  live_staging_bytes_ += bytes_of(state.staging);
+  peak_staging_bytes_ = std::max(peak_staging_bytes_, live_staging_bytes_);
+}
+
+void GradientBuckets::release_staging(const at::Tensor& staging) {
+  live_staging_bytes_ -= bytes_of(staging);
+}
+
+void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& grad) {
+  const GroupLayout& group = layout_.group(g);
+  const ParamSlot& slot = group.slot_of_param(index);
+  reported_[g][index] = true;
+  if (slot.numel == 0) {
+    return;
+  }
+  const auto b = static_cast<size_t>(slot.bucket_index);
+  const Bucket& bucket = group.buckets()[b];
+  BucketState& state = buckets_[g][b];
+  const int64_t position = group.slot_of_param(index).flat_offset - bucket.flat_offset;
+  const auto slot_in_bucket =
+      static_cast<size_t>(&slot - group.slots().data()) - static_cast<size_t>(bucket.first_slot);
+  // A bucket already launched this round has left the staging area; only a
+  // second backward over the same parameters before the round ends (e.g.
+  // reentrant activation checkpointing) can get here.
+  bool launched = false;
+  for (size_t k = 0; k < next_launch_; ++k) {
+    launched = launched || (order_[k].first == g && order_[k].second == b);
+  }
+  TORCH_CHECK(!launched, "parameter ", index, " of group ", g,
+              " produced a second gradient after its bucket was reduced in this backward "
+              "pass; zeroshard stage 2 expects one gradient per parameter per backward "
+              "(use torch.utils.checkpoint with use_reentrant=False)");
+  round_started_ = true;
+  ensure_staging(g, b);
+  at::Tensor target = state.staging.narrow(0, position, slot.numel);
+  if (state.filled[slot_in_bucket]) {
+    target.add_(grad.reshape({-1}));
+  } else {
+    target.copy_(grad.reshape({-1}));
+    state.filled[slot_in_bucket] = true;
+    state.pending -= 1;
+  }
+  launch_ready();
+}
+
+void GradientBuckets::launch_ready() {
+  while (next_launch_ < order_.size()) {
+    const auto [g, b] = order_[next_launch_];
+    if (buckets_[g][b].pending > 0) {
+      return;
+    }
+    launch(g, b);
+    ++next_launch_;
+  }
+  // Every bucket of the round launched.
+  rounds_since_reset_ += 1;
+  start_round();
+}
+
+void GradientBuckets::launch(size_t g, size_t b) {
+  const GroupLayout& group = layout_.group(g);
+  const Bucket& bucket = group.buckets()[b];
+  BucketState& state = buckets_[g][b];
+  ensure_staging(g, b);
+  // Zero what no gradient wrote: padding and parameters that had none.
+  int64_t written_end = 0;
+  for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+    const ParamSlot& slot = group.slots()[s];
+    const int64_t position = slot.flat_offset - bucket.flat_offset;
+    if (slot.numel > 0 && !state.filled[s - bucket.first_slot]) {
+      state.staging.narrow(0, position, slot.numel).zero_();
+    }
+    written_end = std::max(written_end, position + slot.numel);
+  }
+  state.staging.narrow(0, written_end, bucket.numel - written_end).zero_();
+  while (in_flight_.size() >= max_in_flight_) {
+    complete_oldest();
+  }
+  InFlight entry;
+  entry.staging = std::move(state.staging);
+  entry.output = at::empty({bucket.shard_numel}, grad_shards_[g].options());
+  entry.group = g;
+  entry.bucket = b;
+  comm_.note("bucket_ready", bucket_tag(g, b));
+  entry.work = comm_.reduce_scatter_sum(entry.output, entry.staging, bucket_tag(g, b));
+  in_flight_.push_back(std::move(entry));
+}
+
+void GradientBuckets::complete_oldest() {
+  InFlight& entry = in_flight_.front();
+  entry.work.wait();
+  const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
+  grad_shards_[entry.group].narrow(0, bucket.shard_offset, bucket.shard_numel).add_(entry.output);
+  release_staging(entry.staging);
+  in_flight_.pop_front();
+}
+
+void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) {
+  if (!round_started_ && !(force_round && rounds_since_reset_ == 0)) {
+    return;
+  }
+  round_started_ = true;
+  while (next_launch_ < order_.size()) {
+    const auto [g, b] = order_[next_launch_];
+    const GroupLayout& group = layout_.group(g);
+    const Bucket& bucket = group.buckets()[b];
+    BucketState& state = buckets_[g][b];
+    for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+      const ParamSlot& slot = group.slots()[s];
+      if (slot.numel == 0 || state.filled[s - bucket.first_slot] || !leftover) {
+        continue;
+      }
+      at::Tensor grad = leftover(g, slot.param_index);
+      if (grad.defined()) {
+        ensure_staging(g, b);
+        state.staging.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel)
+            .copy_(grad.reshape({-1}));
+        state.filled[s - bucket.first_slot] = true;
+        reported_[g][slot.param_index] = true;
+      }
+    }
+    launch(g, b);
+    ++next_launch_;
+  }
+  rounds_since_reset_ += 1;
+  start_round();
+}
+
+void GradientBuckets::wait_all() {
+  while (!in_flight_.empty()) {
+    complete_oldest();
+  }
+}
+
+void GradientBuckets::reset() {
+  TORCH_INTERNAL_ASSERT(in_flight_.empty() && !round_started_,
+                        "gradient buckets reset with work outstanding");
+  for (auto& flags : reported_) {
+    std::fill(flags.begin(), flags.end(), false);
+  }
+  rounds_since_reset_ = 0;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,65 @@
+#include "zeroshard/gradient_hooks.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace zeroshard {
+namespace {
+
+class PostAccumulateHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit PostAccumulateHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+GradientHooks::GradientHooks(const std::vector<std::vector<at::Tensor>>& params,
+                             GradientCallback on_gradient, std::function<void()> on_backward_end)
+    : on_gradient_(std::move(on_gradient)), on_backward_end_(std::move(on_backward_end)) {
+  for (size_t g = 0; g < params.size(); ++g) {
+    for (size_t i = 0; i < params[g].size(); ++i) {
+      const at::Tensor& param = params[g][i];
+      if (!param.requires_grad()) {
+        continue;  // never receives a gradient
+      }
+      Installed hook;
+      hook.accumulator = torch::autograd::impl::grad_accumulator(param);
+      TORCH_INTERNAL_ASSERT(hook.accumulator, "a leaf parameter has no grad accumulator");
+      // The accumulator already owns the variable, so capturing it here adds
+      // no reference cycle.
+      at::Tensor captured = param;
+      const auto index = static_cast<int64_t>(i);
+      hook.key = hook.accumulator->add_post_hook(std::make_unique<PostAccumulateHook>(
+          [this, g, index, captured]() { fired(g, index, captured); }));
+      installed_.push_back(std::move(hook));
+    }
+  }
+}
+
+GradientHooks::~GradientHooks() {
+  for (auto& hook : installed_) {
+    hook.accumulator->del_post_hook(hook.key);
+  }
+}
+
+void GradientHooks::fired(size_t group, int64_t index, const at::Tensor& param) {
+  if (!end_callback_queued_.exchange(true)) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this]() {
+      end_callback_queued_ = false;
+      on_backward_end_();
+    });
+  }
+  on_gradient_(group, index, param);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,103 @@
+// Gradient buckets: the one mechanism that turns full per-parameter gradients
+// into this rank's gradient shard, for every stage. Stage 1 feeds it from
+// .grad at step time; stage 2 feeds it from autograd hooks during backward.
+//
+// A bucket is the range of the flat buffer the partition layout defines. Its
+// gradients are copied into a staging buffer; when every parameter of the
+// bucket has arrived, its reduce-scatter is launched asynchronously and the
+// result is added into the gradient shard when waited on. Buckets launch in
+// one fixed order (group by group, bucket by bucket), the same on every rank,
+// whatever order the gradients arrive in: a bucket that is complete waits for
+// the ones before it. A "round" launches every bucket once; missing gradients
+// count as zero when a round is flushed.
+//
+// Thread-safety: callers serialise access (ZeroOptimizer holds a mutex).
+#pragma once
+
+#include "zeroshard/communicator.h"
+#include "zeroshard/partition_layout.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <vector>
+
+namespace zeroshard {
+
+class GradientBuckets {
+ public:
+  // grad_shards[g]: this rank's 1D gradient shard of group g, which reduced
+  // bucket slices are added into. max_in_flight bounds the buckets whose
+  // collectives are outstanding (and so the staging memory).
+  GradientBuckets(const PartitionLayout& layout, Communicator& comm,
+                  std::vector<at::Tensor> grad_shards, size_t max_in_flight);
+
+  // Copies the full gradient of parameter `index` of group `group` into its
+  // bucket and launches every bucket that is now complete and next in order.
+  void add_gradient(size_t group, int64_t index, const at::Tensor& grad);
+
+  // Fetches a gradient still held outside the buckets (e.g. accumulated in
+  // .grad under no_sync), or an undefined tensor if there is none.
+  using LeftoverGradient = std::function<at::Tensor(size_t group, int64_t index)>;
+
+  // Ends the current round: launches every bucket not yet launched, taking
+  // missing gradients from `leftover` or as zeros. If `force_round` and no
+  // round ran since reset(), runs one so that this rank issues the same
+  // collectives as ranks that had gradients.
+  void flush(const LeftoverGradient& leftover, bool force_round);
+
+  // Waits for every launched bucket and adds its result into the shards.
+  void wait_all();
+
+  // Starts a new accumulation window: forgets which parameters reported.
+  // Call only with nothing in flight and no round open.
+  void reset();
+
+  // Whether the parameter delivered a gradient since the last reset().
+  bool reported(size_t group, int64_t index) const { return reported_[group][index]; }
+  // True while a round has started but not every bucket has launched.
+  bool round_open() const { return round_started_; }
+
+  int64_t live_staging_bytes() const { return live_staging_bytes_; }
+  int64_t peak_staging_bytes() const { return peak_staging_bytes_; }
+  void reset_peak_staging_bytes() { peak_staging_bytes_ = live_staging_bytes_; }
+
+ private:
+  struct BucketState {
+    at::Tensor staging;            // 1D, bucket.numel; defined once a gradient arrived
+    std::vector<bool> filled;      // per slot of the bucket, this round
+    int64_t pending = 0;           // non-empty parameters still missing this round
+  };
+  struct InFlight {
+    PendingCollective work;
+    at::Tensor staging;  // kept alive until the collective completed
+    at::Tensor output;   // 1D, bucket.shard_numel
+    size_t group = 0;
+    size_t bucket = 0;
+  };
+
+  void start_round();
+  void ensure_staging(size_t group, size_t bucket);
+  void launch(size_t group, size_t bucket);
+  void launch_ready();
+  void complete_oldest();
+  void release_staging(const at::Tensor& staging);
+
+  const PartitionLayout& layout_;
+  Communicator& comm_;
+  std::vector<at::Tensor> grad_shards_;
+  size_t max_in_flight_;
+  std::vector<std::vector<BucketState>> buckets_;    // [group][bucket]
+  std::vector<std::pair<size_t, size_t>> order_;     // launch order: (group, bucket)
+  size_t next_launch_ = 0;                           // index into order_
+  bool round_started_ = false;
+  int64_t rounds_since_reset_ = 0;
+  std::deque<InFlight> in_flight_;
+  std::vector<std::vector<bool>> reported_;          // [group][param]
+  int64_t live_staging_bytes_ = 0;
+  int64_t peak_staging_bytes_ = 0;
+};
+
+}  // namespace zeroshard

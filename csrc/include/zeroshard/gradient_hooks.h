@@ -1,0 +1,46 @@
+// Autograd hooks that hand each parameter's gradient to zeroshard as soon as
+// autograd has accumulated it, and call back once at the end of each backward
+// pass. Installed by the C++ core on the parameters' grad accumulators (as
+// DDP's reducer does), so they work the same for Python and C++ models.
+//
+// Thread-safety: callbacks run on the autograd thread that ran the backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace zeroshard {
+
+class GradientHooks {
+ public:
+  // on_gradient(group, index, param): param.grad() holds the accumulated
+  // gradient. on_backward_end(): after the backward pass that fired any hook.
+  using GradientCallback = std::function<void(size_t, int64_t, const at::Tensor&)>;
+  GradientHooks(const std::vector<std::vector<at::Tensor>>& params, GradientCallback on_gradient,
+                std::function<void()> on_backward_end);
+  ~GradientHooks();
+  GradientHooks(const GradientHooks&) = delete;
+  GradientHooks& operator=(const GradientHooks&) = delete;
+
+ private:
+  void fired(size_t group, int64_t index, const at::Tensor& param);
+
+  struct Installed {
+    // Autograd holds grad accumulators weakly; keeping them here keeps the
+    // hooks alive for the optimizer's lifetime.
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t key = 0;
+  };
+  std::vector<Installed> installed_;
+  GradientCallback on_gradient_;
+  std::function<void()> on_backward_end_;
+  std::atomic<bool> end_callback_queued_{false};
+};
+
+}  // namespace zeroshard
