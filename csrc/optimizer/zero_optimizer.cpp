@@ -82,13 +82,12 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     grad_shards.push_back(shards_[g].grad_shard);
     params.push_back(param_groups_[g].params());
   }
-  buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, *comm_, std::move(grad_shards),
-      static_cast<size_t>(options_.max_buckets_in_flight()));
+  buckets_ =
+      std::make_unique<GradientBuckets>(*layout_, *comm_, std::move(grad_shards),
+                                        static_cast<size_t>(options_.max_buckets_in_flight()));
   if (options_.stage() >= 2) {
     hooks_ = std::make_unique<GradientHooks>(
-        params,
-        [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
+        params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
         [this]() { on_backward_end(); });
   }
 }
@@ -369,8 +368,8 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
 int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = buckets_->live_staging_bytes();
   for (size_t g = 0; g < shards_.size(); ++g) {
-    bytes += shards_[g].grad_shard.numel() *
-             static_cast<int64_t>(shards_[g].grad_shard.element_size());
+    bytes +=
+        shards_[g].grad_shard.numel() * static_cast<int64_t>(shards_[g].grad_shard.element_size());
     for (const auto& param : param_groups_[g].params()) {
       if (param.grad().defined()) {
         bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());

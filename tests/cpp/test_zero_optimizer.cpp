@@ -10,6 +10,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -91,7 +92,8 @@ std::vector<std::string> RunRanks(
   return errors;
 }
 
-std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& options) {
+std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& options,
+                                       double max_norm = 0) {
   TinyModel model(/*seed=*/0);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
@@ -104,6 +106,9 @@ std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& opt
     auto [x, target] = GlobalBatch(step);
     optimizer->zero_grad();
     model.loss(x, target).backward();
+    if (max_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(model.params, max_norm);
+    }
     optimizer->step();
   }
   return model.params;
@@ -188,6 +193,40 @@ TEST_P(ZeroOptimizerTest, OptimizerStateIsDividedByWorldSize) {
     EXPECT_EQ(errors[rank], "");
     const int64_t padded = (numel + world - 1) / world;  // one bucket
     EXPECT_EQ(bytes[rank], padded * 3 * 4) << "fp32 master, exp_avg, exp_avg_sq";
+  }
+}
+
+TEST_P(ZeroOptimizerTest, StageTwoWithClippingMatchesLibTorch) {
+  const int world = GetParam();
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  for (double max_norm : {0.0, 0.05}) {
+    const auto expected = TrainReference(adamw, max_norm);
+    std::vector<double> diffs(world, -1);
+    std::vector<int> grads_left(world, -1);
+    std::mutex mutex;
+    auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      TinyModel model(/*seed=*/rank);
+      ZeroOptimizer optimizer(model.params, pg, adamw,
+                              ZeroOptions().stage(2).reduce_bucket_size(16).max_norm(max_norm));
+      TrainRank(rank, world, model, optimizer, 0, kSteps);
+      // After a backward, stage 2 leaves no full gradient behind.
+      auto [x, target] = GlobalBatch(0);
+      model.loss(x, target).backward();
+      int left = 0;
+      for (const auto& p : model.params) {
+        left += p.grad().defined() ? 1 : 0;
+      }
+      optimizer.zero_grad();
+      std::lock_guard<std::mutex> lock(mutex);
+      diffs[rank] = MaxDiff(model.params, expected);
+      grads_left[rank] = left;
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "rank " << rank;
+      EXPECT_GE(diffs[rank], 0.0);
+      EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " max_norm " << max_norm;
+      EXPECT_EQ(grads_left[rank], 0);
+    }
   }
 }
 

@@ -66,9 +66,9 @@ class GradientBuckets {
 
  private:
   struct BucketState {
-    at::Tensor staging;            // 1D, bucket.numel; defined once a gradient arrived
-    std::vector<bool> filled;      // per slot of the bucket, this round
-    int64_t pending = 0;           // non-empty parameters still missing this round
+    at::Tensor staging;        // 1D, bucket.numel; defined once a gradient arrived
+    std::vector<bool> filled;  // per slot of the bucket, this round
+    int64_t pending = 0;       // non-empty parameters still missing this round
   };
   struct InFlight {
     PendingCollective work;
@@ -89,13 +89,13 @@ class GradientBuckets {
   Communicator& comm_;
   std::vector<at::Tensor> grad_shards_;
   size_t max_in_flight_;
-  std::vector<std::vector<BucketState>> buckets_;    // [group][bucket]
-  std::vector<std::pair<size_t, size_t>> order_;     // launch order: (group, bucket)
-  size_t next_launch_ = 0;                           // index into order_
+  std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]
+  std::vector<std::pair<size_t, size_t>> order_;   // launch order: (group, bucket)
+  size_t next_launch_ = 0;                         // index into order_
   bool round_started_ = false;
   int64_t rounds_since_reset_ = 0;
   std::deque<InFlight> in_flight_;
-  std::vector<std::vector<bool>> reported_;          // [group][param]
+  std::vector<std::vector<bool>> reported_;  // [group][param]
   int64_t live_staging_bytes_ = 0;
   int64_t peak_staging_bytes_ = 0;
 };
