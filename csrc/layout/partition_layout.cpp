@@ -94,7 +94,8 @@ std::vector<ShardSegment> GroupLayout::segments_of_rank(int64_t rank) const {
   TORCH_CHECK_INDEX(rank >= 0 && rank < world_size_, "rank ", rank, " out of range for world size ",
                     world_size_);
   std::vector<ShardSegment> segments;
-  for (const auto& bucket : buckets_) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
     const int64_t begin = rank_slice_offset(bucket, rank);
     const int64_t end = begin + bucket.shard_numel;
     for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
@@ -109,6 +110,7 @@ std::vector<ShardSegment> GroupLayout::segments_of_rank(int64_t rank) const {
       segment.param_offset = lo - slot.flat_offset;
       segment.shard_offset = bucket.shard_offset + (lo - begin);
       segment.numel = hi - lo;
+      segment.bucket_index = static_cast<int64_t>(b);
       segments.push_back(segment);
     }
   }

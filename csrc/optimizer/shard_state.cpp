@@ -37,11 +37,12 @@ ShardState ZeroOptimizer::shard_state() const {
   state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(shards_.size())));
   for (size_t g = 0; g < shards_.size(); ++g) {
     const GroupShards& shard = shards_[g];
-    const at::Tensor* tensors[] = {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
-                                   &shard.max_exp_avg_sq, &shard.momentum_buffer};
-    for (size_t k = 0; k < 5; ++k) {
+    state.emplace_back(group_key(g, "master"), master_shard(g));
+    const at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
+                                   &shard.momentum_buffer};
+    for (size_t k = 0; k < 4; ++k) {
       if (tensors[k]->defined()) {
-        state.emplace_back(group_key(g, kStateNames[k]), tensors[k]->detach().clone());
+        state.emplace_back(group_key(g, kStateNames[k + 1]), tensors[k]->detach().clone());
       }
     }
     state.emplace_back(group_key(g, "steps"), at::tensor(shard.steps, at::kLong));
@@ -87,11 +88,13 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
       for (const char* name : kStateNames) {
         auto it = by_key.find(group_key(g, name));
         if (it != by_key.end()) {
-          TORCH_CHECK_VALUE(it->second.numel() == shards_[g].master.numel(), "state '", it->first,
-                            "' has ", it->second.numel(), " elements, expected ",
-                            shards_[g].master.numel());
+          TORCH_CHECK_VALUE(it->second.numel() == layout_->group(g).shard_numel(), "state '",
+                            it->first, "' has ", it->second.numel(), " elements, expected ",
+                            layout_->group(g).shard_numel());
         }
       }
+      TORCH_CHECK_VALUE(by_key.count(group_key(g, "master")) == 1, "state '",
+                        group_key(g, "master"), "' is missing");
       auto it = by_key.find(group_key(g, "steps"));
       TORCH_CHECK_VALUE(
           it != by_key.end() && it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
@@ -101,7 +104,7 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
     error = e.what_without_backtrace();
   }
   at::Tensor failed = at::tensor({static_cast<int32_t>(error.empty() ? 0 : 1)}, at::kInt)
-                          .to(shards_[0].master.device());
+                          .to(shards_[0].flat_param.device());
   comm_->all_reduce_max(failed, "load_state_check");
   TORCH_CHECK_VALUE(error.empty(), error);
   TORCH_CHECK_VALUE(failed.cpu().item<int32_t>() == 0,
@@ -111,15 +114,16 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {
     GroupShards& shard = shards_[g];
-    at::Tensor* tensors[] = {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
-                             &shard.max_exp_avg_sq, &shard.momentum_buffer};
-    for (size_t k = 0; k < 5; ++k) {
-      auto it = by_key.find(group_key(g, kStateNames[k]));
+    set_master_shard(g, by_key.at(group_key(g, "master")).to(fp32_options()));
+    at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
+                             &shard.momentum_buffer};
+    for (size_t k = 0; k < 4; ++k) {
+      auto it = by_key.find(group_key(g, kStateNames[k + 1]));
       if (it == by_key.end()) {
         continue;
       }
       if (!tensors[k]->defined()) {
-        *tensors[k] = at::empty_like(shard.master);
+        *tensors[k] = at::empty({layout_->group(g).shard_numel()}, fp32_options());
       }
       tensors[k]->copy_(it->second);
     }

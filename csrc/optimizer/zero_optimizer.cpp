@@ -169,12 +169,13 @@ void ZeroOptimizer::build_group_shards() {
       params[i].set_data(
           shard.flat_param.narrow(0, slot.flat_offset, slot.numel).view(params[i].sizes()));
     }
-    const auto fp32 = param_options.dtype(at::kFloat);
-    shard.master = at::empty({layout.shard_numel()}, fp32);
-    for (const auto& bucket : layout.buckets()) {
-      shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
-          .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, rank),
-                                         bucket.shard_numel));
+    if (params[0].scalar_type() != at::kFloat) {
+      shard.master = at::empty({layout.shard_numel()}, fp32_options());
+      for (const auto& bucket : layout.buckets()) {
+        shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
+            .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, rank),
+                                           bucket.shard_numel));
+      }
     }
     shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
     shard.steps.assign(params.size(), 0);
@@ -183,10 +184,51 @@ void ZeroOptimizer::build_group_shards() {
   }
 }
 
+// [Note: fp32 master]
+// Mixed-precision ZeRO keeps an fp32 master copy of each rank's shard. When
+// the parameters already are fp32 that copy would duplicate values the rank
+// holds anyway, so the master values are this rank's slices of the flat
+// parameter buffer: the inner optimizer updates them in place and the
+// all-gather sends them on. Adam's per-rank state is then 8 bytes per owned
+// element instead of 12, the ZeRO paper's fp32 figure.
+at::TensorOptions ZeroOptimizer::fp32_options() const {
+  return shards_[0].flat_param.options().dtype(at::kFloat);
+}
+
+at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
+  GroupShards& shard = shards_[g];
+  if (shard.master.defined()) {
+    return shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  return shard.flat_param.narrow(0, layout_->group(g).rank_slice_offset(bucket, comm_->rank()),
+                                 bucket.shard_numel);
+}
+
+at::Tensor ZeroOptimizer::master_shard(size_t g) const {
+  const GroupShards& shard = shards_[g];
+  if (shard.master.defined()) {
+    return shard.master.detach().clone();
+  }
+  const GroupLayout& layout = layout_->group(g);
+  at::Tensor out = at::empty({layout.shard_numel()}, fp32_options());
+  for (const auto& bucket : layout.buckets()) {
+    out.narrow(0, bucket.shard_offset, bucket.shard_numel)
+        .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
+                                       bucket.shard_numel));
+  }
+  return out;
+}
+
+void ZeroOptimizer::set_master_shard(size_t g, const at::Tensor& values) {
+  for (const auto& bucket : layout_->group(g).buckets()) {
+    master_slice(g, bucket).copy_(values.narrow(0, bucket.shard_offset, bucket.shard_numel));
+  }
+}
+
 void ZeroOptimizer::ensure_state_tensors(size_t g) {
   GroupShards& shard = shards_[g];
-  const auto options = shard.master.options();
-  const int64_t n = shard.master.numel();
+  const auto options = fp32_options();
+  const int64_t n = layout_->group(g).shard_numel();
   const auto& group_options = param_groups_[g].options();
   if (inner_kind_ == InnerOptimizerKind::kSGD) {
     if (optimizer_state_count(inner_kind_, group_options) > 0 && !shard.momentum_buffer.defined()) {
@@ -350,7 +392,7 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
-  at::Tensor squares = at::zeros({1}, shards_[0].master.options());
+  at::Tensor squares = at::zeros({1}, fp32_options());
   for (const auto& shard : shards_) {
     squares.add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
   }
@@ -418,8 +460,9 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
     at::Tensor grad32 = shard.grad_shard.scalar_type() == at::kFloat
                             ? shard.grad_shard
                             : shard.grad_shard.to(at::kFloat);
-    // Contiguous runs of owned segments that share a step count are updated
-    // with one call each; with no skipped parameters that is the whole shard.
+    // Contiguous runs of owned segments that share a step count and a bucket
+    // are updated with one call each; with no skipped parameters that is one
+    // call per bucket.
     const auto& segments = shard.segments;
     size_t begin = 0;
     while (begin < segments.size()) {
@@ -433,6 +476,7 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       int64_t run_end = first.shard_offset + first.numel;
       while (end < segments.size() && has_grad[g][segments[end].param_index] &&
              shard.steps[segments[end].param_index] == step &&
+             segments[end].bucket_index == first.bucket_index &&
              segments[end].shard_offset == run_end) {
         run_end += segments[end].numel;
         ++end;
@@ -442,9 +486,14 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       auto slice = [&](const at::Tensor& t) {
         return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
       };
-      ShardView view{slice(shard.master),         slice(grad32),
-                     slice(shard.exp_avg),        slice(shard.exp_avg_sq),
-                     slice(shard.max_exp_avg_sq), slice(shard.momentum_buffer)};
+      const Bucket& bucket = layout_->group(g).buckets()[first.bucket_index];
+      at::Tensor master = master_slice(g, bucket).narrow(0, offset - bucket.shard_offset, length);
+      ShardView view{master,
+                     slice(grad32),
+                     slice(shard.exp_avg),
+                     slice(shard.exp_avg_sq),
+                     slice(shard.max_exp_avg_sq),
+                     slice(shard.momentum_buffer)};
       apply_inner_update(inner_kind_, group_options, view, step);
       begin = end;
     }
@@ -459,8 +508,9 @@ void ZeroOptimizer::gather_parameters() {
     GroupShards& shard = shards_[g];
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       const Bucket& bucket = layout.buckets()[b];
-      at::Tensor input = shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
-                             .to(shard.flat_param.scalar_type());
+      // A copy even for fp32: the input must not alias the output.
+      at::Tensor input = master_slice(g, bucket).to(shard.flat_param.scalar_type(),
+                                                    /*non_blocking=*/false, /*copy=*/true);
       at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       pending.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
       inputs.push_back(std::move(input));

@@ -53,6 +53,7 @@ struct ShardSegment {
   int64_t param_offset = 0;  // first owned element in the flattened parameter
   int64_t shard_offset = 0;  // where it lives in the rank's shard
   int64_t numel = 0;
+  int64_t bucket_index = 0;  // the bucket whose slice holds it
 };
 
 // The layout of one parameter group.

@@ -108,8 +108,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   struct GroupShards {
     at::Tensor flat_param;  // 1D, layout.flat_numel(), parameter dtype
     at::Tensor grad_shard;  // 1D, shard_numel, parameter dtype
-    at::Tensor master;      // 1D, shard_numel, fp32
-    at::Tensor exp_avg;     // 1D, shard_numel, fp32 (Adam/AdamW)
+    // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
+    // master values are this rank's slices of flat_param itself. See
+    // [Note: fp32 master] in zero_optimizer.cpp.
+    at::Tensor master;
+    at::Tensor exp_avg;  // 1D, shard_numel, fp32 (Adam/AdamW)
     at::Tensor exp_avg_sq;
     at::Tensor max_exp_avg_sq;           // amsgrad only
     at::Tensor momentum_buffer;          // SGD with momentum only
@@ -122,6 +125,12 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void check_layout_agrees_across_ranks();
   void build_group_shards();
   void ensure_state_tensors(size_t group);
+  // This rank's fp32 master values of one bucket (a view, updated in place).
+  at::Tensor master_slice(size_t group, const Bucket& bucket);
+  // The whole master shard as one contiguous tensor (a copy for fp32 params).
+  at::Tensor master_shard(size_t group) const;
+  void set_master_shard(size_t group, const at::Tensor& values);
+  at::TensorOptions fp32_options() const;
   // One all-reduce: 1 where any rank had a gradient for the parameter.
   std::vector<std::vector<bool>> global_grad_presence();
   // Brings every rank's gradient shard to the averaged gradient (idempotent
