@@ -75,7 +75,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
     const std::vector<py::dict>& group_hyperparameters, int64_t stage, int64_t reduce_bucket_size,
-    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight) {
+    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight,
+    bool overlap_comm) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -91,7 +92,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
                                              .reduce_bucket_size(reduce_bucket_size)
                                              .broadcast_from_rank(broadcast_from_rank)
                                              .max_norm(max_norm)
-                                             .max_buckets_in_flight(max_buckets_in_flight));
+                                             .max_buckets_in_flight(max_buckets_in_flight)
+                                             .overlap_comm(overlap_comm));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -134,7 +136,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
            py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"),
-           py::arg("max_norm"), py::arg("max_buckets_in_flight"))
+           py::arg("max_norm"), py::arg("max_buckets_in_flight"), py::arg("overlap_comm"))
       .def(
           "set_hyperparameters",
           [](ZeroOptimizer& self, const std::vector<py::dict>& values) {

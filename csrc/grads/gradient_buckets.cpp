@@ -20,11 +20,13 @@ std::string bucket_tag(size_t group, size_t bucket) {
 }  // namespace
 
 GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& comm,
-                                 std::vector<at::Tensor> grad_shards, size_t max_in_flight)
+                                 std::vector<at::Tensor> grad_shards, size_t max_in_flight,
+                                 bool launch_eagerly)
     : layout_(layout),
       comm_(comm),
       grad_shards_(std::move(grad_shards)),
-      max_in_flight_(std::max<size_t>(1, max_in_flight)) {
+      max_in_flight_(std::max<size_t>(1, max_in_flight)),
+      launch_eagerly_(launch_eagerly) {
   TORCH_INTERNAL_ASSERT(grad_shards_.size() == layout_.groups().size());
   buckets_.resize(layout_.groups().size());
   reported_.resize(layout_.groups().size());
@@ -105,7 +107,9 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
     state.filled[slot_in_bucket] = true;
     state.pending -= 1;
   }
-  launch_ready();
+  if (launch_eagerly_) {
+    launch_ready();
+  }
 }
 
 void GradientBuckets::launch_ready() {

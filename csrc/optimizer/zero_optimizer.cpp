@@ -82,9 +82,9 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     grad_shards.push_back(shards_[g].grad_shard);
     params.push_back(param_groups_[g].params());
   }
-  buckets_ =
-      std::make_unique<GradientBuckets>(*layout_, *comm_, std::move(grad_shards),
-                                        static_cast<size_t>(options_.max_buckets_in_flight()));
+  buckets_ = std::make_unique<GradientBuckets>(
+      *layout_, *comm_, std::move(grad_shards),
+      static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm());
   if (options_.stage() >= 2) {
     hooks_ = std::make_unique<GradientHooks>(
         params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },

@@ -67,6 +67,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (None: no clipping); see also ``clip_grad_norm_``.
         max_buckets_in_flight: gradient buckets whose collectives may be
             outstanding at once (bounds staging memory).
+        overlap_comm: stage 2 launches each bucket's reduce-scatter as soon as
+            it is complete, during backward; False waits for the end of backward.
         **optimizer_kwargs: the inner optimizer's hyper-parameters (lr, betas,
             eps, weight_decay, amsgrad; or lr, momentum, dampening,
             weight_decay, nesterov for SGD).
@@ -87,6 +89,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         broadcast_from_rank: int = 0,
         max_norm: float | None = None,
         max_buckets_in_flight: int = 2,
+        overlap_comm: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -127,6 +130,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             int(broadcast_from_rank),
             float(max_norm or 0.0),
             int(max_buckets_in_flight),
+            bool(overlap_comm),
         )
 
     def _hyperparameters(self) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int, Any, bool]] = {
     "adamw_clip_accumulate4": ("adamw", {}, 4, ("option", 0.5), False),
     "adamw_accumulate4_no_sync": ("adamw", {}, 4, None, True),
     "sgd": ("sgd", {"momentum": 0.9}, 1, None, False),
+    "sgd_no_overlap": ("sgd", {"momentum": 0.9, "overlap_comm": False}, 1, None, False),
     "sgd_clip_method_accumulate4": ("sgd", {"momentum": 0.9}, 4, ("method", 0.3), False),
 }
 _TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -55,6 +56,7 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, step:
 
 def reference(name: str) -> dict[str, torch.Tensor]:
     kind, hyper, accumulation, clipping, _ = CONFIGS[name]
+    hyper = {k: v for k, v in hyper.items() if k != "overlap_comm"}
     model = make_model(seed=0)
     optimizer = _TORCH_OPTIMIZERS[kind](param_groups(model, _LRS[kind]), **hyper)
     for step in range(STEPS):
@@ -116,8 +118,18 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
     }
     optimizer.step()
     impl = optimizer._impl
+    # The same backward with overlap_comm=False, for contrast.
+    serial_model = make_model(seed=0)
+    serial = zeroshard.ZeroOptimizer(
+        serial_model.parameters(), "adamw", stage=2, reduce_bucket_size=BUCKET, overlap_comm=False
+    )
+    serial.set_event_log_enabled(True)
+    loss_of(serial_model, tokens, targets, 0).backward()
+    serial_log = serial.event_log()
+    serial.step()
     return {
         **after_backward,
+        "serial_log": serial_log,
         "log": optimizer.event_log(),
         "stats": optimizer.comm_stats(),
         "flat_numels": [impl.flat_numel(g) for g in range(2)],
@@ -200,6 +212,16 @@ def test_first_reduce_scatter_launches_before_the_last_gradient_hook(trained) ->
             f"first reduce-scatter at event {launches[0]}, last hook at {hooks[-1]} of {len(log)}"
         )
         assert launches[0] < hooks[-1]
+
+
+def test_without_overlap_the_reduce_scatters_wait_for_the_end_of_backward(trained) -> None:
+    _, results = trained
+    for result in results:
+        log = result["measure"]["serial_log"]
+        launches = [i for i, e in enumerate(log) if e[0] == "launch" and e[1] == "reduce_scatter"]
+        hooks = [i for i, e in enumerate(log) if e[0] == "grad_ready"]
+        assert launches and hooks
+        assert launches[0] > hooks[-1]
 
 
 def test_bytes_per_step_equal_stage2_theory(trained) -> None:

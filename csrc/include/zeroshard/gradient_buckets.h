@@ -31,8 +31,11 @@ class GradientBuckets {
   // grad_shards[g]: this rank's 1D gradient shard of group g, which reduced
   // bucket slices are added into. max_in_flight bounds the buckets whose
   // collectives are outstanding (and so the staging memory).
+  // With launch_eagerly false, buckets launch only at flush() (no overlap
+  // with backward; DeepSpeed's overlap_comm=false).
   GradientBuckets(const PartitionLayout& layout, Communicator& comm,
-                  std::vector<at::Tensor> grad_shards, size_t max_in_flight);
+                  std::vector<at::Tensor> grad_shards, size_t max_in_flight,
+                  bool launch_eagerly = true);
 
   // Copies the full gradient of parameter `index` of group `group` into its
   // bucket and launches every bucket that is now complete and next in order.
@@ -89,6 +92,7 @@ class GradientBuckets {
   Communicator& comm_;
   std::vector<at::Tensor> grad_shards_;
   size_t max_in_flight_;
+  bool launch_eagerly_;
   std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]
   std::vector<std::pair<size_t, size_t>> order_;   // launch order: (group, bucket)
   size_t next_launch_ = 0;                         // index into order_

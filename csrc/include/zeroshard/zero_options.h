@@ -20,6 +20,9 @@ struct ZeroOptions {
   TORCH_ARG(int64_t, reduce_bucket_size) = 500000000;
   // Global-norm gradient clipping inside step(); 0 turns it off.
   TORCH_ARG(double, max_norm) = 0;
+  // Stage 2: launch each bucket's reduce-scatter as soon as it is complete,
+  // overlapping backward; false waits for the end of backward.
+  TORCH_ARG(bool, overlap_comm) = true;
   // Gradient buckets whose collectives may be outstanding at once.
   TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
   // Rank whose initial parameter values every rank starts from.
