@@ -28,11 +28,13 @@ if [ -z "$have_torch" ]; then
 elif [ "$have_torch" != "$TORCH_VERSION" ]; then
   echo "[zeroshard] using the installed torch ${have_torch} (pinned: ${TORCH_VERSION})"
 fi
-for module in pytest numpy ninja; do
+for module in pytest numpy ninja matplotlib; do
   "$PYTHON" -c "import ${module}" 2>/dev/null || "$PYTHON" -m pip install -q "${module}"
 done
 
 # ccache behind the name g++, which torch.utils.cpp_extension recognises.
 if [ -x /usr/lib/ccache/g++ ]; then export CXX="${CXX:-/usr/lib/ccache/g++}"; fi
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+# Hash paths relative to the checkout, so a fresh clone elsewhere (CI) hits the cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 export MAX_JOBS="${MAX_JOBS:-2}"

@@ -1,4 +1,5 @@
 // The only C++ that knows Python: exposes the core to python/zeroshard.
+#include "zeroshard/memory_estimator.h"
 #include "zeroshard/zero_optimizer.h"
 
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -107,6 +108,34 @@ py::dict comm_stats_dict(const CommStats& stats) {
   return out;
 }
 
+EstimateOptions estimate_options(double num_params, double largest_unit_params, int64_t world_size,
+                                 int64_t ranks_per_node, const std::string& precision,
+                                 const std::string& optimizer, const std::string& offload_optimizer,
+                                 const std::string& offload_param) {
+  return EstimateOptions()
+      .num_params(num_params)
+      .largest_unit_params(largest_unit_params)
+      .world_size(world_size)
+      .ranks_per_node(ranks_per_node)
+      .precision(parse_precision(precision))
+      .optimizer(parse_state_kind(optimizer))
+      .offload_optimizer(parse_offload_device(offload_optimizer))
+      .offload_param(parse_offload_device(offload_param));
+}
+
+py::dict estimate_dict(const MemoryEstimate& e) {
+  py::dict out;
+  out["stage"] = e.stage;
+  out["param_bytes"] = e.param_bytes;
+  out["grad_bytes"] = e.grad_bytes;
+  out["optimizer_bytes"] = e.optimizer_bytes;
+  out["working_bytes"] = e.working_bytes;
+  out["device_bytes"] = e.device_bytes;
+  out["cpu_bytes_per_node"] = e.cpu_bytes_per_node;
+  out["nvme_bytes_per_node"] = e.nvme_bytes_per_node;
+  return out;
+}
+
 }  // namespace
 }  // namespace zeroshard
 
@@ -131,6 +160,56 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
+
+  m.def(
+      "estimate_memory",
+      [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
+         int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
+         const std::string& offload_optimizer, const std::string& offload_param) {
+        return zeroshard::estimate_dict(zeroshard::estimate_memory(
+            stage,
+            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
+                                        precision, optimizer, offload_optimizer, offload_param)));
+      },
+      py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
+      py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
+      py::arg("offload_optimizer"), py::arg("offload_param"));
+  m.def(
+      "deepspeed_estimate",
+      [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
+         int64_t ranks_per_node, const std::string& offload_optimizer,
+         const std::string& offload_param) {
+        auto e = zeroshard::deepspeed_estimate(
+            stage,
+            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
+                                        "mixed16", "adam", offload_optimizer, offload_param));
+        py::dict out;
+        out["device_bytes"] = e.device_bytes;
+        out["cpu_bytes"] = e.cpu_bytes;
+        return out;
+      },
+      py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
+      py::arg("world_size"), py::arg("ranks_per_node"), py::arg("offload_optimizer"),
+      py::arg("offload_param"));
+  m.def(
+      "recommend_configuration",
+      [](double num_params, double largest_unit_params, int64_t world_size, int64_t ranks_per_node,
+         const std::string& precision, const std::string& optimizer, double device_bytes) {
+        auto r = zeroshard::recommend_configuration(
+            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
+                                        precision, optimizer, "none", "none"),
+            device_bytes);
+        py::dict out;
+        out["fits"] = r.fits;
+        out["estimate"] = zeroshard::estimate_dict(r.estimate);
+        out["offload_optimizer"] = zeroshard::offload_device_name(r.offload_optimizer);
+        out["offload_param"] = zeroshard::offload_device_name(r.offload_param);
+        out["reason"] = r.reason;
+        return out;
+      },
+      py::arg("num_params"), py::arg("largest_unit_params"), py::arg("world_size"),
+      py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
+      py::arg("device_bytes"));
 
   py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),

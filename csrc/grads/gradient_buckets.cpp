@@ -20,14 +20,16 @@ std::string bucket_tag(size_t group, size_t bucket) {
 }  // namespace
 
 GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& comm,
-                                 std::vector<at::Tensor> grad_shards, size_t max_in_flight,
+                                 std::vector<at::TensorOptions> grad_options,
+                                 GradShardOf grad_shard_of, size_t max_in_flight,
                                  bool launch_eagerly)
     : layout_(layout),
       comm_(comm),
-      grad_shards_(std::move(grad_shards)),
+      grad_options_(std::move(grad_options)),
+      grad_shard_of_(std::move(grad_shard_of)),
       max_in_flight_(std::max<size_t>(1, max_in_flight)),
       launch_eagerly_(launch_eagerly) {
-  TORCH_INTERNAL_ASSERT(grad_shards_.size() == layout_.groups().size());
+  TORCH_INTERNAL_ASSERT(grad_options_.size() == layout_.groups().size());
   buckets_.resize(layout_.groups().size());
   reported_.resize(layout_.groups().size());
   for (size_t g = 0; g < layout_.groups().size(); ++g) {
@@ -64,7 +66,7 @@ void GradientBuckets::ensure_staging(size_t g, size_t b) {
     return;
   }
   const Bucket& bucket = layout_.group(g).buckets()[b];
-  state.staging = at::empty({bucket.numel}, grad_shards_[g].options());
+  state.staging = at::empty({bucket.numel}, grad_options_[g]);
   live_staging_bytes_ += bytes_of(state.staging);
   peak_staging_bytes_ = std::max(peak_staging_bytes_, live_staging_bytes_);
 }
@@ -147,7 +149,7 @@ void GradientBuckets::launch(size_t g, size_t b) {
   }
   InFlight entry;
   entry.staging = std::move(state.staging);
-  entry.output = at::empty({bucket.shard_numel}, grad_shards_[g].options());
+  entry.output = at::empty({bucket.shard_numel}, grad_options_[g]);
   entry.group = g;
   entry.bucket = b;
   comm_.note("bucket_ready", bucket_tag(g, b));
@@ -159,7 +161,7 @@ void GradientBuckets::complete_oldest() {
   InFlight& entry = in_flight_.front();
   entry.work.wait();
   const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
-  grad_shards_[entry.group].narrow(0, bucket.shard_offset, bucket.shard_numel).add_(entry.output);
+  grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel).add_(entry.output);
   release_staging(entry.staging);
   in_flight_.pop_front();
 }

@@ -76,14 +76,15 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       std::make_unique<PartitionLayout>(numels, comm_->world_size(), options_.reduce_bucket_size());
   check_layout_agrees_across_ranks();
   build_group_shards();
-  std::vector<at::Tensor> grad_shards;
+  std::vector<at::TensorOptions> grad_options;
   std::vector<std::vector<at::Tensor>> params;
   for (size_t g = 0; g < shards_.size(); ++g) {
-    grad_shards.push_back(shards_[g].grad_shard);
+    grad_options.push_back(shards_[g].flat_param.options());
     params.push_back(param_groups_[g].params());
   }
   buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, *comm_, std::move(grad_shards),
+      *layout_, *comm_, std::move(grad_options),
+      [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm());
   if (options_.stage() >= 2) {
     hooks_ = std::make_unique<GradientHooks>(
@@ -177,7 +178,11 @@ void ZeroOptimizer::build_group_shards() {
                                            bucket.shard_numel));
       }
     }
-    shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
+    if (options_.stage() >= 2) {
+      // Stage 2 accumulates into the shard across backward passes; stage 1
+      // allocates it only while a step runs.
+      shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
+    }
     shard.steps.assign(params.size(), 0);
     shard.segments = layout.segments_of_rank(rank);
     ensure_state_tensors(g);
@@ -301,7 +306,11 @@ void ZeroOptimizer::clear_gradient_shards() {
   buckets_->wait_all();
   buckets_->reset();
   for (auto& shard : shards_) {
-    shard.grad_shard.zero_();
+    if (options_.stage() >= 2) {
+      shard.grad_shard.zero_();
+    } else {
+      shard.grad_shard = at::Tensor();
+    }
   }
   gradients_reduced_ = false;
 }
@@ -354,6 +363,10 @@ void ZeroOptimizer::finish_gradient_reduction() {
     // Full gradients are in .grad; feed them in flat-buffer order so buckets
     // complete, and launch, one after another.
     clear_gradient_shards();
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      shards_[g].grad_shard =
+          at::zeros({layout_->group(g).shard_numel()}, shards_[g].flat_param.options());
+    }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
       for (const ParamSlot& slot : layout_->group(g).slots()) {
@@ -410,8 +423,10 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
 int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = buckets_->live_staging_bytes();
   for (size_t g = 0; g < shards_.size(); ++g) {
-    bytes +=
-        shards_[g].grad_shard.numel() * static_cast<int64_t>(shards_[g].grad_shard.element_size());
+    const at::Tensor& shard = shards_[g].grad_shard;
+    if (shard.defined()) {
+      bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
+    }
     for (const auto& param : param_groups_[g].params()) {
       if (param.grad().defined()) {
         bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());

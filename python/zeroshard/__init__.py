@@ -4,7 +4,8 @@ The work happens in C++ (``zeroshard._C``); this package is a thin,
 idiomatic layer over it.
 """
 
+from zeroshard.estimator import estimate, recommend
 from zeroshard.optimizer import ZeroOptimizer
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "estimate", "recommend"]
 __version__ = "0.1.0"

@@ -28,14 +28,17 @@ namespace zeroshard {
 
 class GradientBuckets {
  public:
-  // grad_shards[g]: this rank's 1D gradient shard of group g, which reduced
-  // bucket slices are added into. max_in_flight bounds the buckets whose
-  // collectives are outstanding (and so the staging memory).
+  // grad_options[g]: dtype and device of group g's gradients.
+  // grad_shard_of(g): this rank's 1D gradient shard of group g, which reduced
+  // bucket slices are added into; the owner may reallocate it between rounds.
+  // max_in_flight bounds the buckets whose collectives are outstanding (and so
+  // the staging memory).
   // With launch_eagerly false, buckets launch only at flush() (no overlap
   // with backward; DeepSpeed's overlap_comm=false).
+  using GradShardOf = std::function<at::Tensor&(size_t group)>;
   GradientBuckets(const PartitionLayout& layout, Communicator& comm,
-                  std::vector<at::Tensor> grad_shards, size_t max_in_flight,
-                  bool launch_eagerly = true);
+                  std::vector<at::TensorOptions> grad_options, GradShardOf grad_shard_of,
+                  size_t max_in_flight, bool launch_eagerly = true);
 
   // Copies the full gradient of parameter `index` of group `group` into its
   // bucket and launches every bucket that is now complete and next in order.
@@ -90,7 +93,8 @@ class GradientBuckets {
 
   const PartitionLayout& layout_;
   Communicator& comm_;
-  std::vector<at::Tensor> grad_shards_;
+  std::vector<at::TensorOptions> grad_options_;
+  GradShardOf grad_shard_of_;
   size_t max_in_flight_;
   bool launch_eagerly_;
   std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]

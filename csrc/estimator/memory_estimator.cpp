@@ -1,0 +1,229 @@
+#include "zeroshard/memory_estimator.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
+namespace zeroshard {
+namespace {
+
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+// DeepSpeed's additional_buffer_factor on CPU memory.
+constexpr double kDeepSpeedCpuFactor = 1.5;
+
+std::string gigabytes(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f GB", bytes / 1e9);
+  return text;
+}
+
+std::string describe(int64_t stage, OffloadDevice optimizer, OffloadDevice param) {
+  std::string text = "ZeRO stage " + std::to_string(stage);
+  if (optimizer != OffloadDevice::kNone) {
+    text += " + optimizer offload to " + std::string(offload_device_name(optimizer));
+  }
+  if (param != OffloadDevice::kNone) {
+    text += " + parameter offload to " + std::string(offload_device_name(param));
+  }
+  return text;
+}
+
+}  // namespace
+
+OffloadDevice parse_offload_device(const std::string& name) {
+  const std::string key = lower(name);
+  if (key == "none" || key.empty()) {
+    return OffloadDevice::kNone;
+  }
+  if (key == "cpu") {
+    return OffloadDevice::kCpu;
+  }
+  if (key == "nvme") {
+    return OffloadDevice::kNvme;
+  }
+  TORCH_CHECK_VALUE(false, "unknown offload device '", name, "'; expected 'none', 'cpu' or 'nvme'");
+}
+
+const char* offload_device_name(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "unknown";
+}
+
+PrecisionRecipe parse_precision(const std::string& name) {
+  const std::string key = lower(name);
+  if (key == "fp32") {
+    return PrecisionRecipe::kFp32;
+  }
+  if (key == "mixed16" || key == "fp16" || key == "bf16") {
+    return PrecisionRecipe::kMixed16;
+  }
+  TORCH_CHECK_VALUE(false, "unknown precision recipe '", name,
+                    "'; expected 'fp32' or 'mixed16' (16-bit parameters with fp32 master; "
+                    "'fp16' and 'bf16' mean the same here)");
+}
+
+StateKind parse_state_kind(const std::string& optimizer_name) {
+  const std::string key = lower(optimizer_name);
+  if (key == "adam" || key == "adamw") {
+    return StateKind::kAdam;
+  }
+  if (key == "sgd_momentum" || key == "sgd-momentum" || key == "momentum") {
+    return StateKind::kSgdMomentum;
+  }
+  if (key == "sgd") {
+    return StateKind::kSgd;
+  }
+  TORCH_CHECK_VALUE(false, "unknown optimizer '", optimizer_name,
+                    "'; expected 'adam', 'adamw', 'sgd_momentum' or 'sgd'");
+}
+
+StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer) {
+  const double states = optimizer == StateKind::kAdam          ? 2
+                        : optimizer == StateKind::kSgdMomentum ? 1
+                                                               : 0;
+  StateBytes bytes;
+  if (precision == PrecisionRecipe::kMixed16) {
+    bytes.param = 2;
+    bytes.grad = 2;
+    bytes.optimizer = 4 + 4 * states;  // fp32 master + fp32 states (K = 12 for Adam)
+  } else {
+    // The master values are the fp32 parameters (see [Note: fp32 master]).
+    bytes.param = 4;
+    bytes.grad = 4;
+    bytes.optimizer = 4 * states;
+  }
+  return bytes;
+}
+
+MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
+  TORCH_CHECK_VALUE(stage >= 0 && stage <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage);
+  TORCH_CHECK_VALUE(options.num_params() > 0, "the parameter count must be > 0, got ",
+                    options.num_params());
+  TORCH_CHECK_VALUE(options.world_size() >= 1, "world_size must be >= 1, got ",
+                    options.world_size());
+  TORCH_CHECK_VALUE(options.ranks_per_node() >= 1, "ranks_per_node must be >= 1, got ",
+                    options.ranks_per_node());
+  TORCH_CHECK_VALUE(options.offload_param() == OffloadDevice::kNone || stage == 3,
+                    "parameter offload needs ZeRO stage 3 (parameters are sharded only "
+                    "there); got stage ",
+                    stage);
+  TORCH_CHECK_VALUE(options.offload_optimizer() == OffloadDevice::kNone || stage >= 1,
+                    "optimizer offload needs ZeRO stage 1, 2 or 3; got stage 0");
+  const double psi = options.num_params();
+  const double n = static_cast<double>(options.world_size());
+  const StateBytes per = state_bytes_per_param(options.precision(), options.optimizer());
+
+  MemoryEstimate estimate;
+  estimate.stage = stage;
+  estimate.param_bytes = per.param * psi / (stage >= 3 ? n : 1);
+  estimate.grad_bytes = per.grad * psi / (stage >= 2 ? n : 1);
+  estimate.optimizer_bytes = per.optimizer * psi / (stage >= 1 ? n : 1);
+  if (stage == 3) {
+    estimate.working_bytes = (per.param + per.grad) * options.largest_unit_params();
+  }
+  auto offload = [&](OffloadDevice device, double& bytes) {
+    const double per_node = bytes * static_cast<double>(options.ranks_per_node());
+    if (device == OffloadDevice::kCpu) {
+      estimate.cpu_bytes_per_node += per_node;
+      bytes = 0;
+    } else if (device == OffloadDevice::kNvme) {
+      estimate.nvme_bytes_per_node += per_node;
+      bytes = 0;
+    }
+  };
+  offload(options.offload_optimizer(), estimate.optimizer_bytes);
+  offload(options.offload_param(), estimate.param_bytes);
+  estimate.device_bytes = estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes +
+                          estimate.working_bytes;
+  return estimate;
+}
+
+DeepSpeedEstimate deepspeed_estimate(int64_t stage, const EstimateOptions& options) {
+  TORCH_CHECK_VALUE(stage == 2 || stage == 3,
+                    "DeepSpeed publishes estimators for stages 2 and 3 only; got stage ", stage);
+  const double p = options.num_params();
+  const double n = static_cast<double>(options.world_size());
+  const double g = static_cast<double>(options.ranks_per_node());
+  const double nodes = std::max(1.0, n / g);
+  const double largest = 4 * options.largest_unit_params();
+  const bool offload_optimizer = options.offload_optimizer() != OffloadDevice::kNone;
+  const bool offload_param = options.offload_param() != OffloadDevice::kNone;
+  DeepSpeedEstimate out;
+  if (stage == 2) {
+    if (offload_optimizer) {
+      out.device_bytes = 2 * p;
+      out.cpu_bytes = p * std::max(4 * n, 16.0) * kDeepSpeedCpuFactor;
+    } else {
+      out.device_bytes = 2 * p + 18 * p / n;
+      out.cpu_bytes = 4 * p * g * kDeepSpeedCpuFactor;
+    }
+    return out;
+  }
+  // Stage 3, with the model built partitioned (zero_init).
+  if (offload_param) {
+    out.device_bytes = largest;
+    out.cpu_bytes = p * 18 / nodes * kDeepSpeedCpuFactor;
+  } else if (offload_optimizer) {
+    out.device_bytes = largest + 2 * p / n;
+    out.cpu_bytes = p * 16 / nodes * kDeepSpeedCpuFactor;
+  } else {
+    out.device_bytes = largest + 18 * p / n;
+    out.cpu_bytes = options.largest_unit_params() * 4 * g * kDeepSpeedCpuFactor;
+  }
+  return out;
+}
+
+Recommendation recommend_configuration(const EstimateOptions& options, double device_bytes) {
+  TORCH_CHECK_VALUE(device_bytes > 0, "device memory must be > 0 bytes, got ", device_bytes);
+  struct Candidate {
+    int64_t stage;
+    OffloadDevice optimizer;
+    OffloadDevice param;
+  };
+  const OffloadDevice none = OffloadDevice::kNone, cpu = OffloadDevice::kCpu,
+                      nvme = OffloadDevice::kNvme;
+  const Candidate candidates[] = {{0, none, none}, {1, none, none}, {2, none, none},
+                                  {3, none, none}, {2, cpu, none},  {3, cpu, none},
+                                  {3, cpu, cpu},   {3, nvme, cpu},  {3, nvme, nvme}};
+  Recommendation best;
+  std::string previous;
+  for (const auto& candidate : candidates) {
+    EstimateOptions tried = options;
+    tried.offload_optimizer(candidate.optimizer).offload_param(candidate.param);
+    const MemoryEstimate estimate = estimate_memory(candidate.stage, tried);
+    const std::string name = describe(candidate.stage, candidate.optimizer, candidate.param);
+    if (estimate.device_bytes <= device_bytes) {
+      best.fits = true;
+      best.estimate = estimate;
+      best.offload_optimizer = candidate.optimizer;
+      best.offload_param = candidate.param;
+      best.reason = name + " is the first configuration that fits: it needs " +
+                    gigabytes(estimate.device_bytes) + " of " + gigabytes(device_bytes) +
+                    " per rank" + (previous.empty() ? std::string(".") : "; " + previous + ".") +
+                    " Lower stages communicate less and offload is slowest, so they are "
+                    "tried first.";
+      return best;
+    }
+    previous = name + " would need " + gigabytes(estimate.device_bytes);
+    best.estimate = estimate;
+  }
+  best.reason = "nothing fits in " + gigabytes(device_bytes) + " per rank: even " + previous +
+                "; add ranks or memory";
+  return best;
+}
+
+}  // namespace zeroshard

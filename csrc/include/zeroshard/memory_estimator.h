@@ -1,0 +1,82 @@
+// Per-rank memory of model states under each ZeRO stage: the accounting of
+// the ZeRO paper (Rajbhandari et al., 2020), matching what zeroshard
+// allocates, plus DeepSpeed's own estimator formulas for comparison.
+//
+// Pure arithmetic: knows nothing of tensors, ranks or process groups.
+#pragma once
+
+#include <torch/csrc/api/include/torch/arg.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+enum class OffloadDevice { kNone, kCpu, kNvme };
+// kFp32: fp32 parameters and gradients (the master values are the
+// parameters). kMixed16: 16-bit parameters and gradients, fp32 master copy.
+enum class PrecisionRecipe { kFp32, kMixed16 };
+// Optimizer states per parameter, in fp32: Adam/AdamW 2, SGD with momentum 1.
+enum class StateKind { kAdam, kSgdMomentum, kSgd };
+
+OffloadDevice parse_offload_device(const std::string& name);
+PrecisionRecipe parse_precision(const std::string& name);
+StateKind parse_state_kind(const std::string& optimizer_name);
+const char* offload_device_name(OffloadDevice device);
+
+struct EstimateOptions {
+  TORCH_ARG(double, num_params) = 0;           // Ψ
+  TORCH_ARG(double, largest_unit_params) = 0;  // parameters of the largest gathered unit
+  TORCH_ARG(int64_t, world_size) = 1;          // N
+  TORCH_ARG(int64_t, ranks_per_node) = 1;
+  TORCH_ARG(PrecisionRecipe, precision) = PrecisionRecipe::kMixed16;
+  TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
+  TORCH_ARG(OffloadDevice, offload_optimizer) = OffloadDevice::kNone;
+  TORCH_ARG(OffloadDevice, offload_param) = OffloadDevice::kNone;
+};
+
+// Bytes per rank unless named per node.
+struct MemoryEstimate {
+  int64_t stage = 0;
+  double param_bytes = 0;          // on the device, between steps
+  double grad_bytes = 0;           // on the device, after backward
+  double optimizer_bytes = 0;      // on the device (fp32 master + states)
+  double working_bytes = 0;        // stage 3: the largest unit gathered (params + grads)
+  double device_bytes = 0;         // all of the above
+  double cpu_bytes_per_node = 0;   // offloaded to CPU memory, all ranks of a node
+  double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
+};
+
+// Bytes per parameter of each model state under a recipe and optimizer.
+struct StateBytes {
+  double param = 0;      // 2 (16-bit) or 4 (fp32)
+  double grad = 0;       // 2 or 4
+  double optimizer = 0;  // K: 12 for mixed-precision Adam, 8 for fp32 Adam
+};
+StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer);
+
+// Throws for impossible combinations (e.g. parameter offload below stage 3).
+MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options);
+
+// DeepSpeed's estimators (estimate_zero2_model_states_mem_needs and
+// estimate_zero3_model_states_mem_needs), with their safety factor 1.5 on CPU.
+struct DeepSpeedEstimate {
+  double device_bytes = 0;
+  double cpu_bytes = 0;  // per node
+};
+DeepSpeedEstimate deepspeed_estimate(int64_t stage, const EstimateOptions& options);
+
+// The cheapest configuration that fits `device_bytes` per rank, tried in the
+// order the ZeRO guides advise: stages 0, 1, 2, then 3, and offload (optimizer
+// first, then parameters; CPU before NVMe) only when nothing else fits.
+struct Recommendation {
+  bool fits = false;
+  MemoryEstimate estimate;
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;
+  OffloadDevice offload_param = OffloadDevice::kNone;
+  std::string reason;
+};
+Recommendation recommend_configuration(const EstimateOptions& options, double device_bytes);
+
+}  // namespace zeroshard

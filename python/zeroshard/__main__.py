@@ -1,0 +1,77 @@
+"""Command line: ``python -m zeroshard estimate ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zeroshard.estimator import estimate, format_table, parse_count, plot, recommend
+
+
+def _estimate_command(args: argparse.Namespace) -> int:
+    options = {"precision": args.precision, "optimizer": args.optimizer}
+    rows = estimate(
+        args.params,
+        world_size=args.world_size,
+        ranks_per_node=args.ranks_per_node,
+        offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param,
+        largest_unit_params=parse_count(args.largest_unit),
+        **options,
+    )
+    print(
+        f"{parse_count(args.params) / 1e9:.3f}B parameters, {args.world_size} ranks "
+        f"({args.ranks_per_node} per node), {args.precision}, {args.optimizer}; "
+        f"GB (1e9 bytes) per rank unless per node"
+    )
+    print(format_table(rows))
+    if args.device_memory:
+        advice = recommend(
+            args.params,
+            device_memory=args.device_memory,
+            world_size=args.world_size,
+            ranks_per_node=args.ranks_per_node,
+            largest_unit_params=parse_count(args.largest_unit),
+            **options,
+        )
+        print(("recommendation: " if advice["fits"] else "no fit: ") + advice["reason"])
+    if args.plot:
+        plot(
+            args.plot,
+            args.params,
+            device_memory=args.device_memory or None,
+            largest_unit_params=parse_count(args.largest_unit),
+            **options,
+        )
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zeroshard")
+    commands = parser.add_subparsers(dest="command", required=True)
+    est = commands.add_parser("estimate", help="per-rank memory of model states by ZeRO stage")
+    est.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 7.5B")
+    est.add_argument("--world-size", type=int, required=True)
+    est.add_argument("--ranks-per-node", type=int, default=1)
+    est.add_argument("--precision", default="mixed16", choices=["mixed16", "fp32"])
+    est.add_argument(
+        "--optimizer", default="adamw", choices=["adam", "adamw", "sgd_momentum", "sgd"]
+    )
+    est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
+    est.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
+    est.add_argument(
+        "--largest-unit",
+        default="0",
+        help="parameters of the largest gathered unit (stage 3 working set)",
+    )
+    est.add_argument("--device-memory", default="", help="e.g. 80GB: also recommend a config")
+    est.add_argument("--plot", default="", help="write a PNG of memory against ranks")
+    args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return _estimate_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Per-rank memory of model states under ZeRO stages 0-3 (the arithmetic is in C++).
+
+>>> rows = zeroshard.estimate(num_params=7.5e9, world_size=64)
+>>> [round(r["model_state_bytes"] / 1e9, 1) for r in rows]
+[120.0, 31.4, 16.6, 1.9]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch  # noqa: F401 - libtorch must be loaded before the extension
+from torch import nn
+
+from zeroshard import _C
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_count(text: str | float | int) -> float:
+    """'7.5B', '350M', '1.3e9' -> a number of parameters."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBgGtT]?)\s*", text)
+    if not match:
+        raise ValueError(f"cannot read a parameter count from {text!r}; write e.g. 7.5e9 or 7.5B")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """'80GB', '24GiB', '8e10' -> bytes."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _BYTE_UNITS and unit != "":
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GB or 24GiB")
+    return float(match.group(1)) * _BYTE_UNITS.get(unit or "b", 1)
+
+
+def count_model(model: nn.Module) -> tuple[int, int]:
+    """(parameters, parameters of the largest unit): tied parameters count once; a
+    unit is a module with the parameters it owns directly."""
+    seen: set[int] = set()
+    total = 0
+    largest = 0
+    for module in model.modules():
+        own = 0
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            own += param.numel()
+        total += own
+        largest = max(largest, own)
+    return total, largest
+
+
+def estimate(
+    num_params: float | str | None = None,
+    *,
+    model: nn.Module | None = None,
+    world_size: int = 1,
+    ranks_per_node: int = 1,
+    precision: str = "mixed16",
+    optimizer: str = "adamw",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    largest_unit_params: float | None = None,
+    stages: Sequence[int] = (0, 1, 2, 3),
+) -> list[dict[str, Any]]:
+    """Per-rank bytes of parameters, gradients and optimizer state for each stage.
+
+    Give ``num_params`` or a ``model`` (its parameters and largest unit are
+    counted). ``precision``: ``"mixed16"`` (16-bit params/grads, fp32 master)
+    or ``"fp32"``. ``optimizer``: ``"adam"``/``"adamw"`` (two states),
+    ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
+    ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
+    ignored (reported as not applicable) below it.
+    """
+    if model is not None:
+        counted, largest = count_model(model)
+        num_params = counted if num_params is None else num_params
+        largest_unit_params = largest if largest_unit_params is None else largest_unit_params
+    if num_params is None:
+        raise ValueError("give num_params or model")
+    psi = parse_count(num_params)
+    largest = float(largest_unit_params or 0.0)
+    rows = []
+    for stage in stages:
+        param_offload = offload_param if stage == 3 else "none"
+        optimizer_offload = offload_optimizer if stage >= 1 else "none"
+        row = dict(
+            _C.estimate_memory(
+                stage,
+                psi,
+                largest,
+                world_size,
+                ranks_per_node,
+                precision,
+                optimizer,
+                optimizer_offload,
+                param_offload,
+            )
+        )
+        row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
+        row["offload_optimizer"] = optimizer_offload
+        row["offload_param"] = param_offload
+        rows.append(row)
+    return rows
+
+
+def deepspeed_estimate(
+    stage: int,
+    num_params: float,
+    *,
+    world_size: int,
+    ranks_per_node: int = 1,
+    largest_unit_params: float = 0.0,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+) -> dict[str, float]:
+    """DeepSpeed's own estimator formulas (stages 2 and 3), for comparison."""
+    return dict(
+        _C.deepspeed_estimate(
+            stage,
+            parse_count(num_params),
+            float(largest_unit_params),
+            world_size,
+            ranks_per_node,
+            offload_optimizer,
+            offload_param,
+        )
+    )
+
+
+def recommend(
+    num_params: float | str,
+    *,
+    device_memory: float | str,
+    world_size: int,
+    ranks_per_node: int = 1,
+    precision: str = "mixed16",
+    optimizer: str = "adamw",
+    largest_unit_params: float = 0.0,
+) -> dict[str, Any]:
+    """The cheapest configuration whose per-rank device memory fits, and why."""
+    return dict(
+        _C.recommend_configuration(
+            parse_count(num_params),
+            float(largest_unit_params),
+            world_size,
+            ranks_per_node,
+            precision,
+            optimizer,
+            parse_bytes(device_memory),
+        )
+    )
+
+
+def plot(
+    path: str,
+    num_params: float | str,
+    *,
+    world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    device_memory: float | str | None = None,
+    **options: Any,
+) -> None:
+    """Draws per-rank device memory against the number of ranks, one line per stage."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from error
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for stage in (0, 1, 2, 3):
+        values = [
+            estimate(num_params, world_size=n, stages=(stage,), **options)[0]["device_bytes"] / 1e9
+            for n in world_sizes
+        ]
+        axes.plot(world_sizes, values, marker="o", label=f"stage {stage}")
+    if device_memory is not None:
+        capacity = parse_bytes(device_memory) / 1e9
+        axes.axhline(capacity, color="black", linestyle="--", label=f"device {capacity:.0f} GB")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("data-parallel ranks")
+    axes.set_ylabel("per-rank device memory for model states (GB)")
+    axes.set_title(
+        f"{parse_count(num_params) / 1e9:.2f}B parameters, "
+        f"{options.get('precision', 'mixed16')}, {options.get('optimizer', 'adamw')}"
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of estimate() rows, in GB (1e9 bytes)."""
+    header = (
+        f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'working':>10} "
+        f"{'device':>10} {'cpu/node':>10} {'nvme/node':>10}"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['stage']:>5} {r['param_bytes'] / 1e9:>10.2f} {r['grad_bytes'] / 1e9:>10.2f} "
+            f"{r['optimizer_bytes'] / 1e9:>10.2f} {r['working_bytes'] / 1e9:>10.2f} "
+            f"{r['device_bytes'] / 1e9:>10.2f} {r['cpu_bytes_per_node'] / 1e9:>10.2f} "
+            f"{r['nvme_bytes_per_node'] / 1e9:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "count_model",
+    "deepspeed_estimate",
+    "estimate",
+    "format_table",
+    "parse_bytes",
+    "parse_count",
+    "plot",
+    "recommend",
+]

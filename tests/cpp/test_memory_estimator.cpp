@@ -1,0 +1,85 @@
+#include "zeroshard/memory_estimator.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+namespace zeroshard {
+namespace {
+
+double ModelStates(const MemoryEstimate& e) {
+  return e.param_bytes + e.grad_bytes + e.optimizer_bytes;
+}
+
+TEST(MemoryEstimatorTest, ReproducesTheZeroPaperFigures) {
+  // ZeRO paper, Figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam.
+  auto options = EstimateOptions().num_params(7.5e9).world_size(64);
+  EXPECT_NEAR(ModelStates(estimate_memory(0, options)) / 1e9, 120.0, 0.05);
+  EXPECT_NEAR(ModelStates(estimate_memory(1, options)) / 1e9, 31.4, 0.05);
+  EXPECT_NEAR(ModelStates(estimate_memory(2, options)) / 1e9, 16.6, 0.05);
+  EXPECT_NEAR(ModelStates(estimate_memory(3, options)) / 1e9, 1.875, 0.001);
+}
+
+TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
+  auto fp32 = state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kAdam);
+  EXPECT_EQ(fp32.param, 4);
+  EXPECT_EQ(fp32.grad, 4);
+  EXPECT_EQ(fp32.optimizer, 8);
+  EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kMixed16, StateKind::kAdam).optimizer, 12);
+  EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kMixed16, StateKind::kSgdMomentum).optimizer, 8);
+  EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kSgd).optimizer, 0);
+}
+
+TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
+  auto options =
+      EstimateOptions().num_params(1e9).world_size(8).ranks_per_node(8).offload_optimizer(
+          OffloadDevice::kCpu);
+  auto e = estimate_memory(2, options);
+  EXPECT_EQ(e.optimizer_bytes, 0);
+  EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9);  // 12 bytes x 1e9 / 8 ranks x 8 ranks
+  auto nvme = estimate_memory(3, EstimateOptions(options)
+                                     .offload_optimizer(OffloadDevice::kNvme)
+                                     .offload_param(OffloadDevice::kNvme)
+                                     .largest_unit_params(1e7));
+  EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
+  EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 4 * 1e7);  // grad shard + working set
+  EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCpu)),
+               c10::ValueError);
+}
+
+TEST(MemoryEstimatorTest, ReproducesDeepSpeedFormulas) {
+  const double p = 1e9, l = 5e7, n = 16, g = 8;
+  auto options =
+      EstimateOptions().num_params(p).largest_unit_params(l).world_size(16).ranks_per_node(8);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(2, options).device_bytes, 2 * p + 18 * p / n);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(2, options).cpu_bytes, 4 * p * g * 1.5);
+  auto offload = EstimateOptions(options).offload_optimizer(OffloadDevice::kCpu);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(2, offload).device_bytes, 2 * p);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(2, offload).cpu_bytes, p * 4 * n * 1.5);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(3, options).device_bytes, 4 * l + 18 * p / n);
+  EXPECT_DOUBLE_EQ(deepspeed_estimate(3, offload).device_bytes, 4 * l + 2 * p / n);
+  EXPECT_DOUBLE_EQ(
+      deepspeed_estimate(3, EstimateOptions(offload).offload_param(OffloadDevice::kCpu))
+          .device_bytes,
+      4 * l);
+}
+
+TEST(MemoryEstimatorTest, RecommendsStageTwoBeforeThreeAndOffloadLast) {
+  // 13B on 8 ranks with 60 GB each: stage 1 needs 71.5 GB, stage 2 48.8 GB.
+  auto options = EstimateOptions().num_params(13e9).world_size(8).ranks_per_node(8);
+  auto r = recommend_configuration(options, 60e9);
+  ASSERT_TRUE(r.fits);
+  EXPECT_EQ(r.estimate.stage, 2);
+  EXPECT_EQ(r.offload_optimizer, OffloadDevice::kNone);
+  EXPECT_NE(r.reason.find("ZeRO stage 1 would need"), std::string::npos) << r.reason;
+  // Far too small a device: offload is the last resort.
+  auto tiny = recommend_configuration(options.largest_unit_params(1e8), 4e9);
+  ASSERT_TRUE(tiny.fits) << tiny.reason;
+  EXPECT_EQ(tiny.estimate.stage, 3);
+  EXPECT_NE(tiny.offload_optimizer, OffloadDevice::kNone);
+  auto none = recommend_configuration(options, 1e6);
+  EXPECT_FALSE(none.fits);
+  EXPECT_NE(none.reason.find("nothing fits"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace zeroshard

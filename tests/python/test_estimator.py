@@ -1,0 +1,141 @@
+"""The memory estimator: published figures, DeepSpeed's formulas, the CLI, the plot,
+and agreement with what ZeroOptimizer actually allocates."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.__main__ import main as cli_main
+from zeroshard.estimator import count_model, deepspeed_estimate, parse_bytes, parse_count
+
+from dist_harness import run_ranks, unwrap
+
+
+def test_zero_paper_figures() -> None:
+    rows = zeroshard.estimate(num_params="7.5B", world_size=64)
+    got = [r["model_state_bytes"] / 1e9 for r in rows]
+    assert got == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.05)
+
+
+def test_deepspeed_formulas_through_python() -> None:
+    p, n = 1e9, 16
+    assert deepspeed_estimate(2, p, world_size=n, ranks_per_node=8)["device_bytes"] == (
+        2 * p + 18 * p / n
+    )
+    assert (
+        deepspeed_estimate(3, p, world_size=n, largest_unit_params=5e7, offload_optimizer="cpu")[
+            "device_bytes"
+        ]
+        == 4 * 5e7 + 2 * p / n
+    )
+
+
+def test_counts_tied_parameters_once_and_finds_the_largest_unit() -> None:
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100, bias=False))
+    model[1].weight = model[0].weight
+    assert count_model(model) == (800, 800)
+
+
+def test_parsing_and_bad_input() -> None:
+    assert parse_count("350M") == 350e6
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("24GiB") == 24 * 2**30
+    with pytest.raises(ValueError, match="cannot read a memory size"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="parameter offload needs ZeRO stage 3"):
+        zeroshard._C.estimate_memory(2, 1e9, 0, 8, 1, "mixed16", "adam", "none", "cpu")
+    with pytest.raises(ValueError, match="unknown precision recipe 'fp8'"):
+        zeroshard.estimate(1e9, world_size=2, precision="fp8")
+
+
+def test_cli_prints_table_and_recommendation(capsys) -> None:
+    assert (
+        cli_main(
+            [
+                "estimate",
+                "--params",
+                "13B",
+                "--world-size",
+                "8",
+                "--ranks-per-node",
+                "8",
+                "--device-memory",
+                "60GB",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "recommendation: ZeRO stage 2 is the first configuration that fits" in out
+    assert "ZeRO stage 1 would need 71.5 GB" in out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="matplotlib is an optional extra; scripts/ensure_env.sh installs it",
+)
+def test_plot_writes_a_png(tmp_path) -> None:
+    path = tmp_path / "memory.png"
+    zeroshard.estimator.plot(str(path), "7.5B", device_memory="80GB")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128)
+        ).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _measure(rank: int, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for stage, dtype in ((1, torch.float32), (2, torch.float32), (2, torch.bfloat16)):
+        torch.manual_seed(0)
+        model = _Mlp(dtype)
+        optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage)
+        x = torch.randn(8, 128, dtype=dtype)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            measured_grads = optimizer.gradient_bytes()
+            optimizer.step()
+        params = optimizer._impl.flat_parameters(0)
+        out.append(
+            {
+                "stage": stage,
+                "precision": "fp32" if dtype == torch.float32 else "mixed16",
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "measured": params.numel() * params.element_size()
+                + measured_grads
+                + optimizer.optimizer_state_bytes(),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_estimate_matches_what_zeroshard_allocates(world_size: int) -> None:
+    for rank_rows in unwrap(run_ranks(world_size, _measure)):
+        for row in rank_rows:
+            estimated = zeroshard.estimate(
+                row["num_params"],
+                world_size=world_size,
+                precision=row["precision"],
+                stages=(row["stage"],),
+            )[0]["model_state_bytes"]
+            error = abs(row["measured"] - estimated) / estimated
+            print(
+                f"world_size={world_size} stage {row['stage']} {row['precision']}: measured "
+                f"{row['measured']} B, estimated {estimated:.0f} B, {100 * error:.2f}% apart"
+            )
+            assert error <= 0.03
