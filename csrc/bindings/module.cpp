@@ -211,6 +211,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
       py::arg("device_bytes"));
 
+  m.def(
+      "inner_update",
+      [](const std::string& optimizer, const py::dict& hyperparameters, at::Tensor param,
+         at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor momentum_buffer,
+         int64_t step) {
+        const auto kind = zeroshard::parse_inner_optimizer(optimizer);
+        auto options = zeroshard::make_options(kind, hyperparameters);
+        zeroshard::validate_inner_options(kind, *options);
+        zeroshard::ShardView view{param, grad, exp_avg, exp_avg_sq, at::Tensor(), momentum_buffer};
+        py::gil_scoped_release release;
+        zeroshard::apply_inner_update(kind, *options, view, step);
+      },
+      py::arg("optimizer"), py::arg("hyperparameters"), py::arg("param"), py::arg("grad"),
+      py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("momentum_buffer"), py::arg("step"),
+      "One inner-optimizer update of flat fp32 tensors in place (for benchmarks and tests).");
+
   py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
