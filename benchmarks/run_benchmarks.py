@@ -309,8 +309,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument(
-        "--bucket", type=int, default=int(5e8), help="zeroshard reduce_bucket_size in elements"
+        "--bucket",
+        type=int,
+        default=5_000_000,
+        help="zeroshard reduce_bucket_size in elements (its default)",
     )
+
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     default_variants = ZEROSHARD + PEERS
     if importlib.util.find_spec("deepspeed") is not None:
@@ -352,10 +356,11 @@ def main() -> None:
     ]
     for name, s in summary.items():
         mark = "" if s["comm_source"] == "measured" else " (by design)"
+        grads = "n/a" if s["grads_mib"] is None else f"{s['grads_mib']:.2f}"
+        states = ("≥ " if s["grads_mib"] is None else "") + f"{s['states_mib']:.2f}"
         lines.append(
-            f"| {name} | {s['step_ms']:.1f} | {s['states_mib']:.2f} | "
-            f"{s['grads_mib']:.2f} | {s['optimizer_mib']:.2f} | {s['rss_mib']:.0f} | "
-            f"{s['comm_mib']:.2f}{mark} |"
+            f"| {name} | {s['step_ms']:.1f} | {states} | {grads} | "
+            f"{s['optimizer_mib']:.2f} | {s['rss_mib']:.0f} | {s['comm_mib']:.2f}{mark} |"
         )
     lines += [
         "",

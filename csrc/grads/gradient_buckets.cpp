@@ -13,11 +13,11 @@ int64_t bytes_of(const at::Tensor& tensor) {
   return tensor.numel() * static_cast<int64_t>(tensor.element_size());
 }
 
+}  // namespace
+
 std::string bucket_tag(size_t group, size_t bucket) {
   return "group" + std::to_string(group) + "/bucket" + std::to_string(bucket);
 }
-
-}  // namespace
 
 GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& comm,
                                  std::vector<at::TensorOptions> grad_options,

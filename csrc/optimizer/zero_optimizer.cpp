@@ -9,14 +9,6 @@
 #include <unordered_map>
 
 namespace zeroshard {
-namespace {
-
-std::string bucket_tag(size_t group, size_t bucket) {
-  return "group" + std::to_string(group) + "/bucket" + std::to_string(bucket);
-}
-
-}  // namespace
-
 void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
   TORCH_CHECK_VALUE(options.stage() == 1 || options.stage() == 2, "unsupported ZeRO stage ",
                     options.stage(),

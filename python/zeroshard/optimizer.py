@@ -61,7 +61,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             None and each rank holds only its gradient shard.
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
-        reduce_bucket_size: elements per gradient bucket (DeepSpeed's key).
+        reduce_bucket_size: elements per gradient bucket (DeepSpeed's key; the
+            default 5e6 lets stage 2 overlap backward, where DeepSpeed's 5e8
+            makes most models a single bucket).
         broadcast_from_rank: rank whose initial parameters every rank adopts.
         max_norm: clip gradients to this global L2 norm inside ``step()``
             (None: no clipping); see also ``clip_grad_norm_``.
@@ -85,7 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         process_group: dist.ProcessGroup | None = None,
         *,
-        reduce_bucket_size: int = 500_000_000,
+        reduce_bucket_size: int = 5_000_000,
         broadcast_from_rank: int = 0,
         max_norm: float | None = None,
         max_buckets_in_flight: int = 2,

@@ -201,13 +201,19 @@ def test_gradient_memory_after_backward_is_the_shard(trained) -> None:
         assert m["gradient_bytes"] < full_bytes
 
 
+def _launches_and_hooks(log: list[tuple[str, str, int, str]]) -> tuple[list[int], list[int]]:
+    """Positions in the event log of reduce-scatter launches and gradient hooks."""
+    launches = [i for i, e in enumerate(log) if e[0] == "launch" and e[1] == "reduce_scatter"]
+    hooks = [i for i, e in enumerate(log) if e[0] == "grad_ready"]
+    assert launches and hooks
+    return launches, hooks
+
+
 def test_first_reduce_scatter_launches_before_the_last_gradient_hook(trained) -> None:
     _, results = trained
     for result in results:
         log = result["measure"]["log"]
-        launches = [i for i, e in enumerate(log) if e[0] == "launch" and e[1] == "reduce_scatter"]
-        hooks = [i for i, e in enumerate(log) if e[0] == "grad_ready"]
-        assert launches and hooks
+        launches, hooks = _launches_and_hooks(log)
         print(
             f"first reduce-scatter at event {launches[0]}, last hook at {hooks[-1]} of {len(log)}"
         )
@@ -217,10 +223,7 @@ def test_first_reduce_scatter_launches_before_the_last_gradient_hook(trained) ->
 def test_without_overlap_the_reduce_scatters_wait_for_the_end_of_backward(trained) -> None:
     _, results = trained
     for result in results:
-        log = result["measure"]["serial_log"]
-        launches = [i for i, e in enumerate(log) if e[0] == "launch" and e[1] == "reduce_scatter"]
-        hooks = [i for i, e in enumerate(log) if e[0] == "grad_ready"]
-        assert launches and hooks
+        launches, hooks = _launches_and_hooks(result["measure"]["serial_log"])
         assert launches[0] > hooks[-1]
 
 

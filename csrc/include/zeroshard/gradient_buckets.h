@@ -22,9 +22,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace zeroshard {
+
+// The label of a bucket in the event log: "group<g>/bucket<b>".
+std::string bucket_tag(size_t group, size_t bucket);
 
 class GradientBuckets {
  public:

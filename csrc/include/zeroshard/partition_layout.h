@@ -22,7 +22,7 @@ namespace zeroshard {
 //
 // A rank's shard is the concatenation of its slices of all buckets, so it is
 // one contiguous tensor. When the group fits in one bucket (the default bucket
-// size is 5e8 elements) this is exactly "rank r owns one contiguous slice of
+// size is 5e6 elements) this is exactly "rank r owns one contiguous slice of
 // equal length". With several buckets, each bucket's reduce-scatter reads its
 // input in place from the flat gradient buffer and writes its output in place
 // into the gradient shard, with no staging copy (as Megatron's distributed

@@ -15,9 +15,12 @@ struct ZeroOptions {
   // 2: gradients sharded too, reduced from autograd hooks during backward.
   // (Stage 3 is not implemented yet.)
   TORCH_ARG(int64_t, stage) = 1;
-  // Elements per gradient bucket (DeepSpeed's reduce_bucket_size; its default
-  // 5e8). Also the all-gather granularity of updated parameters.
-  TORCH_ARG(int64_t, reduce_bucket_size) = 500000000;
+  // Elements per gradient bucket (DeepSpeed's reduce_bucket_size). Also the
+  // all-gather granularity of updated parameters. 5e6 elements (20 MB in
+  // fp32, near DDP's 25 MiB) lets stage 2 overlap backward; DeepSpeed's 5e8
+  // makes most models one bucket, whose reduction waits for the whole
+  // backward (benchmarks/results/peers.md measures the difference).
+  TORCH_ARG(int64_t, reduce_bucket_size) = 5000000;
   // Global-norm gradient clipping inside step(); 0 turns it off.
   TORCH_ARG(double, max_norm) = 0;
   // Stage 2: launch each bucket's reduce-scatter as soon as it is complete,

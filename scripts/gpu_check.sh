@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with one NVIDIA GPU and torch already installed
+# (no network needed): builds the extension against that torch, runs the CUDA
+# test subset (CUDA tensors through stages 1 and 2 at world size 1 over NCCL,
+# and two ranks sharing the GPU over Gloo), then a short optimizer benchmark
+# against torch.optim.AdamW (default, foreach, fused) on the GPU. Everything
+# goes to one folder: $OUT if set (the device tool's output folder), else
+# gpu_check_results/. Budget: well under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS="${OUT:-gpu_check_results}"
+mkdir -p "$RESULTS"
+LOG="$RESULTS/log.txt"
+PYTHON="${PYTHON:-python3}"
+status=0
+{
+  echo "== machine"
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+
+  echo "== build (extension against the installed torch)"
+  start=$(date +%s)
+  command -v ccache >/dev/null && [ -x /usr/lib/ccache/g++ ] && export CXX=/usr/lib/ccache/g++
+  export MAX_JOBS="${MAX_JOBS:-8}"
+  timeout 300 "$PYTHON" setup.py -q build_ext --inplace >"$RESULTS/build.txt" 2>&1 \
+    || { echo "build FAILED (see build.txt)"; tail -30 "$RESULTS/build.txt"; exit 1; }
+  echo "built in $(( $(date +%s) - start )) s"
+
+  echo "== CUDA tests"
+  timeout 240 "$PYTHON" -m pytest tests/python/test_cuda.py -v -s -p no:cacheprovider \
+    --junitxml="$RESULTS/cuda_tests.xml" || status=1
+
+  echo "== optimizer benchmark on the GPU"
+  timeout 120 "$PYTHON" benchmarks/bench_cpu_optimizer.py --device cuda --numel 50000000 \
+    --out "$RESULTS/gpu_optimizer.md" || status=1
+  echo "== done, status $status"
+  exit "$status"
+} 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
