@@ -72,7 +72,14 @@ def main() -> None:
         step[0] += 1
         _C.inner_update("adamw", hyper, param, grad, m, v, torch.Tensor(), step[0])
 
-    results = {"zeroshard inner AdamW": median_seconds(zeroshard_adamw, args.repeats)}
+    def zeroshard_adamw_fused() -> None:
+        step[0] += 1
+        _C.inner_update("adamw", hyper, param, grad, m, v, torch.Tensor(), step[0], fused=True)
+
+    results = {
+        "zeroshard inner AdamW": median_seconds(zeroshard_adamw, args.repeats),
+        "zeroshard inner AdamW fused=True": median_seconds(zeroshard_adamw_fused, args.repeats),
+    }
     for label, kwargs in (
         ("torch AdamW (CPU default)", {"foreach": False}),
         ("torch AdamW foreach=True", {"foreach": True}),

@@ -76,8 +76,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
     const std::vector<py::dict>& group_hyperparameters, int64_t stage, int64_t reduce_bucket_size,
-    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight,
-    bool overlap_comm) {
+    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight, bool overlap_comm,
+    bool fused) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -94,7 +94,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
                                              .broadcast_from_rank(broadcast_from_rank)
                                              .max_norm(max_norm)
                                              .max_buckets_in_flight(max_buckets_in_flight)
-                                             .overlap_comm(overlap_comm));
+                                             .overlap_comm(overlap_comm)
+                                             .fused(fused));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -215,23 +216,25 @@ PYBIND11_MODULE(_C, m) {
       "inner_update",
       [](const std::string& optimizer, const py::dict& hyperparameters, at::Tensor param,
          at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, at::Tensor momentum_buffer,
-         int64_t step) {
+         int64_t step, bool fused) {
         const auto kind = zeroshard::parse_inner_optimizer(optimizer);
         auto options = zeroshard::make_options(kind, hyperparameters);
         zeroshard::validate_inner_options(kind, *options);
         zeroshard::ShardView view{param, grad, exp_avg, exp_avg_sq, at::Tensor(), momentum_buffer};
         py::gil_scoped_release release;
-        zeroshard::apply_inner_update(kind, *options, view, step);
+        zeroshard::apply_inner_update(kind, *options, view, step, fused);
       },
       py::arg("optimizer"), py::arg("hyperparameters"), py::arg("param"), py::arg("grad"),
       py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("momentum_buffer"), py::arg("step"),
+      py::arg("fused") = false,
       "One inner-optimizer update of flat fp32 tensors in place (for benchmarks and tests).");
 
   py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
            py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"),
-           py::arg("max_norm"), py::arg("max_buckets_in_flight"), py::arg("overlap_comm"))
+           py::arg("max_norm"), py::arg("max_buckets_in_flight"), py::arg("overlap_comm"),
+           py::arg("fused"))
       .def(
           "set_hyperparameters",
           [](ZeroOptimizer& self, const std::vector<py::dict>& values) {

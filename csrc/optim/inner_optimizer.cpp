@@ -1,5 +1,8 @@
 #include "zeroshard/inner_optimizer.h"
 
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/maximum.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -59,6 +62,24 @@ void adam_update(const AdamHyper& h, ShardView& v, int64_t step) {
     denom = v.exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(h.eps);
   }
   v.param.addcdiv_(v.exp_avg, denom, -step_size);
+}
+
+// Mirrors torch.optim.adam._fused_adam: one kernel per update.
+void fused_adam_update(const AdamHyper& h, ShardView& v, int64_t step) {
+  at::Tensor step_tensor = at::full({}, static_cast<double>(step), v.param.options());
+  std::vector<at::Tensor> max_exp_avg_sqs;
+  if (h.amsgrad) {
+    max_exp_avg_sqs.push_back(v.max_exp_avg_sq);
+  }
+  if (h.decoupled) {
+    at::_fused_adamw_({v.param}, {v.grad}, {v.exp_avg}, {v.exp_avg_sq}, max_exp_avg_sqs,
+                      {step_tensor}, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad,
+                      /*maximize=*/false);
+  } else {
+    at::_fused_adam_({v.param}, {v.grad}, {v.exp_avg}, {v.exp_avg_sq}, max_exp_avg_sqs,
+                     {step_tensor}, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad,
+                     /*maximize=*/false);
+  }
 }
 
 // Mirrors torch.optim.sgd._single_tensor_sgd (not maximize).
@@ -167,9 +188,12 @@ int64_t optimizer_state_count(InnerOptimizerKind kind,
 }
 
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
-                        ShardView& view, int64_t step) {
+                        ShardView& view, int64_t step, bool fused) {
   if (kind == InnerOptimizerKind::kSGD) {
+    TORCH_CHECK_VALUE(!fused, "fused=True is available for Adam and AdamW, not SGD");
     sgd_update(static_cast<const torch::optim::SGDOptions&>(options), view, step);
+  } else if (fused) {
+    fused_adam_update(adam_hyper(kind, options), view, step);
   } else {
     adam_update(adam_hyper(kind, options), view, step);
   }

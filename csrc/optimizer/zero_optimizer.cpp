@@ -54,6 +54,8 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   for (auto& group : param_groups_) {
     validate_inner_options(inner_kind_, group.options());
   }
+  TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
+                    "fused=True is available for Adam and AdamW, not SGD");
   validate_parameters();
 
   std::vector<std::vector<int64_t>> numels;
@@ -501,7 +503,7 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
                      slice(shard.exp_avg_sq),
                      slice(shard.max_exp_avg_sq),
                      slice(shard.momentum_buffer)};
-      apply_inner_update(inner_kind_, group_options, view, step);
+      apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
       begin = end;
     }
   }

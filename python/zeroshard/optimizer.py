@@ -71,6 +71,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             outstanding at once (bounds staging memory).
         overlap_comm: stage 2 launches each bucket's reduce-scatter as soon as
             it is complete, during backward; False waits for the end of backward.
+        fused: Adam/AdamW through ATen's fused kernel, as torch.optim's
+            ``fused=True`` (same results as ``torch.optim.AdamW(fused=True)``;
+            several times faster on CPU than the default path).
         **optimizer_kwargs: the inner optimizer's hyper-parameters (lr, betas,
             eps, weight_decay, amsgrad; or lr, momentum, dampening,
             weight_decay, nesterov for SGD).
@@ -92,6 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         max_norm: float | None = None,
         max_buckets_in_flight: int = 2,
         overlap_comm: bool = True,
+        fused: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -133,6 +137,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             float(max_norm or 0.0),
             int(max_buckets_in_flight),
             bool(overlap_comm),
+            bool(fused),
         )
 
     def _hyperparameters(self) -> list[dict[str, Any]]:

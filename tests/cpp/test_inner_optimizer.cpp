@@ -59,6 +59,28 @@ TEST(InnerOptimizerTest, SgdWithDampeningMatchesLibTorch) {
   EXPECT_LE((MaxDiffAgainstLibTorch<torch::optim::SGD>(InnerOptimizerKind::kSGD, options)), 1e-6);
 }
 
+TEST(InnerOptimizerTest, FusedAdamWMatchesTheSingleTensorPath) {
+  auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true);
+  at::manual_seed(5);
+  at::Tensor initial = at::randn({53});
+  ShardView plain{initial.clone(), at::Tensor(),    at::zeros({53}),
+                  at::zeros({53}), at::zeros({53}), at::Tensor()};
+  ShardView fused{initial.clone(), at::Tensor(),    at::zeros({53}),
+                  at::zeros({53}), at::zeros({53}), at::Tensor()};
+  for (int step = 1; step <= kSteps; ++step) {
+    at::Tensor grad = at::randn({53});
+    plain.grad = grad;
+    fused.grad = grad;
+    apply_inner_update(InnerOptimizerKind::kAdamW, options, plain, step);
+    apply_inner_update(InnerOptimizerKind::kAdamW, options, fused, step, /*fused=*/true);
+  }
+  EXPECT_LE((plain.param - fused.param).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((fused.param - initial).abs().max().item<double>(), 1e-3) << "it must move";
+  EXPECT_THROW(apply_inner_update(InnerOptimizerKind::kSGD, torch::optim::SGDOptions(0.1), plain, 1,
+                                  /*fused=*/true),
+               c10::ValueError);
+}
+
 TEST(InnerOptimizerTest, ParsesNamesAndRejectsUnknownOnes) {
   EXPECT_EQ(parse_inner_optimizer("AdamW"), InnerOptimizerKind::kAdamW);
   EXPECT_EQ(parse_inner_optimizer("sgd"), InnerOptimizerKind::kSGD);

@@ -76,6 +76,10 @@ def _negative_learning_rate_set_later() -> None:
     optimizer.step()
 
 
+def _fused_sgd() -> None:
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], "sgd", fused=True)
+
+
 def _add_param_group_after_construction() -> None:
     optimizer = zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))])
     optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
@@ -112,6 +116,7 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str]] = {
         "ValueError",
         "Invalid learning rate: -0.5",
     ),
+    "fused_sgd": (_fused_sgd, "ValueError", "fused=True is available for Adam and AdamW"),
     "add_param_group_late": (
         _add_param_group_after_construction,
         "RuntimeError",

@@ -33,6 +33,9 @@ CONFIGS: dict[str, tuple[str, tuple[float, float], dict[str, Any], dict[str, Any
     "sgd_dampening": ("sgd", (0.05, 0.1), {"momentum": 0.9, "dampening": 0.25}, {}, None),
     "adamw_16_element_buckets": ("adamw", (1e-2, 5e-3), {}, {"reduce_bucket_size": 16}, None),
     "adamw_step_lr": ("adamw", (1e-2, 5e-3), {}, {}, step_lr),
+    # fused=True goes to both: against torch.optim's fused kernel.
+    "adamw_fused": ("adamw", (1e-2, 5e-3), {"weight_decay": 0.1, "fused": True}, {}, None),
+    "adam_amsgrad_fused": ("adam", (1e-2, 5e-3), {"amsgrad": True, "fused": True}, {}, None),
 }
 
 _TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}

@@ -42,8 +42,9 @@ struct ShardView {
 };
 
 // Applies one update. `step` is the step count after incrementing (1 on the
-// first update of these elements).
+// first update of these elements). `fused` uses ATen's fused Adam/AdamW
+// kernel, as torch.optim's fused=True (Adam and AdamW only).
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
-                        ShardView& view, int64_t step);
+                        ShardView& view, int64_t step, bool fused = false);
 
 }  // namespace zeroshard
