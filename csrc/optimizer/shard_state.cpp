@@ -103,13 +103,9 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   }
-  at::Tensor failed = at::tensor({static_cast<int32_t>(error.empty() ? 0 : 1)}, at::kInt)
-                          .to(shards_[0].flat_param.device());
-  comm_->all_reduce_max(failed, "load_state_check");
-  TORCH_CHECK_VALUE(error.empty(), error);
-  TORCH_CHECK_VALUE(failed.cpu().item<int32_t>() == 0,
-                    "another rank could not load its zeroshard optimizer state (its error "
-                    "says why); nothing was loaded on any rank");
+  comm_->raise_if_any_rank_failed(
+      error, "load its zeroshard optimizer state; nothing was loaded on any rank",
+      shards_[0].flat_param.device());
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {

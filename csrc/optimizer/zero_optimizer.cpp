@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 namespace zeroshard {
+
 void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
   TORCH_CHECK_VALUE(options.stage() == 1 || options.stage() == 2, "unsupported ZeRO stage ",
                     options.stage(),
@@ -46,17 +47,28 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
           std::move(process_group), inner_defaults, options) {}
 
 void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
-  // Every check here depends only on what every rank passed in, so a bad
-  // input fails on every rank before the first collective.
   TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
-  validate_zero_options(options_, comm_->world_size());
-  for (auto& group : param_groups_) {
-    validate_inner_options(inner_kind_, group.options());
+  std::string error;
+  try {
+    validate_zero_options(options_, comm_->world_size());
+    for (auto& group : param_groups_) {
+      validate_inner_options(inner_kind_, group.options());
+    }
+    TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
+                      "fused=True is available for Adam and AdamW, not SGD");
+    validate_parameters();
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
   }
-  TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
-                    "fused=True is available for Adam and AdamW, not SGD");
-  validate_parameters();
+  // Usually every rank passes the same arguments and fails alike; if only some
+  // do, the others must not wait for them in the first collective.
+  const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
+                          ? at::Tensor()
+                          : param_groups_[0].params()[0];
+  const c10::Device device =
+      first.defined() && !first.is_meta() ? first.device() : c10::Device(c10::kCPU);
+  comm_->raise_if_any_rank_failed(error, "construct its ZeroOptimizer", device);
 
   std::vector<std::vector<int64_t>> numels;
   for (const auto& group : param_groups_) {

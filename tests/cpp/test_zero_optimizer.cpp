@@ -262,7 +262,7 @@ TEST(ZeroOptimizerErrorsTest, BadFileOnOneRankFailsOnEveryRank) {
     }
     optimizer.load_shard_state(state);
   });
-  EXPECT_NE(errors[0].find("another rank could not load"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("another rank failed to load"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("is missing or has the wrong size"), std::string::npos) << errors[1];
 }
 

@@ -80,6 +80,15 @@ def _fused_sgd() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], "sgd", fused=True)
 
 
+def _different_parameters_per_rank() -> None:
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3 + dist.get_rank()))])
+
+
+def _bad_dtype_on_rank_one_only() -> None:
+    dtype = torch.float64 if dist.get_rank() == 1 else torch.float32
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=dtype))])
+
+
 def _add_param_group_after_construction() -> None:
     optimizer = zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))])
     optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
@@ -91,8 +100,9 @@ def _not_a_zeroshard_state_dict() -> None:
     optimizer.load_state_dict(torch.optim.AdamW([p]).state_dict())
 
 
-# name: (scenario, expected exception type, words the message must contain)
-SCENARIOS: dict[str, tuple[Callable[[], None], str, str]] = {
+# name: (scenario, expected exception type, words the message must contain,
+# or per rank {rank: words})
+SCENARIOS: dict[str, tuple[Callable[[], None], str, str | dict[int, str]]] = {
     "one_parameter_in_two_groups": (
         _one_parameter_in_two_groups,
         "ValueError",
@@ -117,6 +127,20 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str]] = {
         "Invalid learning rate: -0.5",
     ),
     "fused_sgd": (_fused_sgd, "ValueError", "fused=True is available for Adam and AdamW"),
+    "different_parameters_per_rank": (
+        _different_parameters_per_rank,
+        "RuntimeError",
+        "ranks built different partition layouts",
+    ),
+    # Only rank 1 is wrong: rank 0 must fail too instead of waiting for it.
+    "bad_dtype_on_one_rank": (
+        _bad_dtype_on_rank_one_only,
+        "ValueError",
+        {
+            0: "another rank failed to construct its ZeroOptimizer",
+            1: "all parameters of a group must share one dtype",
+        },
+    ),
     "add_param_group_late": (
         _add_param_group_after_construction,
         "RuntimeError",
@@ -158,8 +182,9 @@ def test_bad_input_raises_a_clear_error_on_every_rank(outcomes, name: str) -> No
     for rank, result in enumerate(outcomes):
         error_type, message = result[name]
         print(f"rank {rank} {name}: {error_type}: {message}")
+        words = expected_words[rank] if isinstance(expected_words, dict) else expected_words
         assert error_type == expected_type, (rank, error_type, message)
-        assert expected_words in message, (rank, message)
+        assert words in message, (rank, message)
 
 
 def test_group_is_usable_after_every_error(outcomes) -> None:

@@ -79,6 +79,13 @@ class Communicator {
   PendingCollective all_gather(at::Tensor& output, at::Tensor& input, const std::string& tag);
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
 
+  // Collective: turns an error found on some ranks into an error on every
+  // rank, so no rank is left waiting in a later collective. Call it on every
+  // rank with this rank's error message ("" if none); throws c10::ValueError
+  // with the local message, or naming `what` on ranks that had none.
+  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
+                                c10::Device device);
+
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats(); }
 
