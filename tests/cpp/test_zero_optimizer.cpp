@@ -13,11 +13,14 @@
 #include <torch/csrc/api/include/torch/nn/utils/clip_grad.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
+#include <torch/csrc/api/include/torch/serialize/input-archive.h>
+#include <torch/csrc/api/include/torch/serialize/output-archive.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -176,6 +179,43 @@ TEST_P(ZeroOptimizerTest, SaveLoadContinueEqualsUninterrupted) {
   });
   for (int rank = 0; rank < world; ++rank) {
     EXPECT_EQ(errors[rank], "");
+    EXPECT_EQ(diffs[rank], 0.0) << "rank " << rank;
+  }
+}
+
+TEST_P(ZeroOptimizerTest, TorchSaveAndLoadArchivesResumeExactly) {
+  const int world = GetParam();
+  auto options = torch::optim::AdamWOptions(1e-2);
+  std::vector<double> diffs(world, -1);
+  std::vector<double> lrs(world, -1);
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel straight(0);
+    ZeroOptimizer straight_optimizer(straight.params, pg, options, ZeroOptions().stage(2));
+    TrainRank(rank, world, straight, straight_optimizer, 0, kSteps);
+
+    TinyModel first(0);
+    ZeroOptimizer first_optimizer(first.params, pg, options, ZeroOptions().stage(2));
+    TrainRank(rank, world, first, first_optimizer, 0, kSteps / 2);
+    first_optimizer.param_groups()[0].options().set_lr(1e-2);  // what the archive restores
+    torch::serialize::OutputArchive out;
+    first_optimizer.save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+
+    TinyModel resumed(42);
+    auto other = torch::optim::AdamWOptions(5.0);  // overwritten by the archive
+    ZeroOptimizer resumed_optimizer(resumed.params, pg, other, ZeroOptions().stage(2));
+    torch::serialize::InputArchive in;
+    std::istringstream source(bytes.str());
+    in.load_from(source);
+    resumed_optimizer.load(in);
+    lrs[rank] = resumed_optimizer.param_groups()[0].options().get_lr();
+    TrainRank(rank, world, resumed, resumed_optimizer, kSteps / 2, kSteps);
+    diffs[rank] = MaxDiff(resumed.params, straight.params);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "");
+    EXPECT_EQ(lrs[rank], 1e-2);
     EXPECT_EQ(diffs[rank], 0.0) << "rank " << rank;
   }
 }

@@ -129,16 +129,20 @@ def test_optimizer_state_is_divided_by_world_size(trained) -> None:
         assert full / world_size <= per_rank <= full / world_size + padding_bound
 
 
-def _save_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def _save_resume(rank: int, world_size: int, directory: str, stage: int) -> dict[str, Any]:
     lrs = (1e-2, 5e-3)
     # Uninterrupted run.
     model = make_model(seed=0)
-    optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), "adamw", weight_decay=0.1)
+    optimizer = zeroshard.ZeroOptimizer(
+        param_groups(model, lrs), "adamw", stage=stage, weight_decay=0.1
+    )
     train(model, optimizer, STEPS, rank, world_size)
     uninterrupted = snapshot(model)
     # Interrupted: 5 steps, save, rebuild from another initialisation, load, 5 more.
     model = make_model(seed=0)
-    optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), "adamw", weight_decay=0.1)
+    optimizer = zeroshard.ZeroOptimizer(
+        param_groups(model, lrs), "adamw", stage=stage, weight_decay=0.1
+    )
     train(model, optimizer, STEPS // 2, rank, world_size)
     torch.save(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -146,7 +150,9 @@ def _save_resume(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     )
     del model, optimizer
     model = make_model(seed=123)
-    optimizer = zeroshard.ZeroOptimizer(param_groups(model, lrs), "adamw", weight_decay=0.1)
+    optimizer = zeroshard.ZeroOptimizer(
+        param_groups(model, lrs), "adamw", stage=stage, weight_decay=0.1
+    )
     saved = torch.load(f"{directory}/rank{rank}.pt")
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -160,10 +166,11 @@ def _load_at_world_size(rank: int, world_size: int, directory: str) -> None:
     optimizer.load_state_dict(torch.load(f"{directory}/rank{rank}.pt")["optimizer"])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 def test_save_reload_continue_equals_uninterrupted_and_other_world_size_is_refused(
-    tmp_path,
+    tmp_path, stage: int
 ) -> None:
-    for result in unwrap(run_ranks(3, _save_resume, str(tmp_path))):
+    for result in unwrap(run_ranks(3, _save_resume, str(tmp_path), stage)):
         assert max_abs_diff(result["resumed"], result["uninterrupted"]) == 0.0
     results = run_ranks(2, _load_at_world_size, str(tmp_path))
     for rank, result in enumerate(results):
