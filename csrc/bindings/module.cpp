@@ -11,6 +11,13 @@
 
 namespace py = pybind11;
 
+// [Note: GIL and collectives]
+// Every binding that issues a collective releases the GIL first. Gloo's
+// worker thread may drop the last reference to a tensor whose storage has a
+// Python object (torch.save creates one for the model's flat buffers) while
+// holding its queue lock; freeing it takes the GIL. A caller that enqueued the
+// next collective while holding the GIL would wait for that lock forever.
+
 namespace zeroshard {
 namespace {
 
@@ -87,6 +94,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
   }
   auto defaults =
       make_options(kind, group_hyperparameters.empty() ? py::dict() : group_hyperparameters[0]);
+  // See [Note: GIL and collectives].
+  py::gil_scoped_release release;
   return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults,
                                          ZeroOptions()
                                              .stage(stage)

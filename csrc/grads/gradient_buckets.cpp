@@ -53,6 +53,7 @@ void GradientBuckets::start_round() {
       BucketState& state = buckets_[g][b];
       state.filled.assign(bucket.end_slot - bucket.first_slot, false);
       state.pending = 0;
+      state.launched = false;
       for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
         state.pending += group.slots()[s].numel > 0 ? 1 : 0;
       }
@@ -88,17 +89,13 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
   const int64_t position = group.slot_of_param(index).flat_offset - bucket.flat_offset;
   const auto slot_in_bucket =
       static_cast<size_t>(&slot - group.slots().data()) - static_cast<size_t>(bucket.first_slot);
-  // A bucket already launched this round has left the staging area; only a
-  // second backward over the same parameters before the round ends (e.g.
-  // reentrant activation checkpointing) can get here.
-  bool launched = false;
-  for (size_t k = 0; k < next_launch_; ++k) {
-    launched = launched || (order_[k].first == g && order_[k].second == b);
-  }
-  TORCH_CHECK(!launched, "parameter ", index, " of group ", g,
-              " produced a second gradient after its bucket was reduced in this backward "
-              "pass; zeroshard stage 2 expects one gradient per parameter per backward "
-              "(use torch.utils.checkpoint with use_reentrant=False)");
+  // A bucket already launched this round has left the staging area. Every
+  // backward pass (reentrant ones included) ends its round, so a parameter
+  // cannot report twice in one round.
+  TORCH_CHECK(!state.launched, "parameter ", index, " of group ", g,
+              " produced a second gradient after its bucket was reduced in the same "
+              "backward pass; autograd accumulates each parameter once per backward, so this "
+              "is a zeroshard bug: please report it with the model");
   round_started_ = true;
   ensure_staging(g, b);
   at::Tensor target = state.staging.narrow(0, position, slot.numel);
@@ -147,6 +144,7 @@ void GradientBuckets::launch(size_t g, size_t b) {
   while (in_flight_.size() >= max_in_flight_) {
     complete_oldest();
   }
+  state.launched = true;
   InFlight entry;
   entry.staging = std::move(state.staging);
   entry.output = at::empty({bucket.shard_numel}, grad_options_[g]);

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace zeroshard {
@@ -53,9 +54,18 @@ GradientHooks::~GradientHooks() {
 }
 
 void GradientHooks::fired(size_t group, int64_t index, const at::Tensor& param) {
-  if (!end_callback_queued_.exchange(true)) {
-    torch::autograd::Engine::get_default_engine().queue_callback([this]() {
-      end_callback_queued_ = false;
+  const int graph_task = torch::autograd::get_current_graph_task_id();
+  bool first_in_task = false;
+  {
+    std::lock_guard<std::mutex> lock(queued_mutex_);
+    first_in_task = queued_graph_tasks_.insert(graph_task).second;
+  }
+  if (first_in_task) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this, graph_task]() {
+      {
+        std::lock_guard<std::mutex> lock(queued_mutex_);
+        queued_graph_tasks_.erase(graph_task);
+      }
       on_backward_end_();
     });
   }

@@ -34,6 +34,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int, Any, bool]] = {
     "adamw_accumulate4_no_sync": ("adamw", {}, 4, None, True),
     "sgd": ("sgd", {"momentum": 0.9}, 1, None, False),
     "sgd_no_overlap": ("sgd", {"momentum": 0.9, "overlap_comm": False}, 1, None, False),
+    "adamw_checkpoint_reentrant": ("adamw", {"checkpoint": "reentrant"}, 1, None, False),
+    "adamw_checkpoint_non_reentrant": ("adamw", {"checkpoint": "non_reentrant"}, 2, None, False),
     "sgd_clip_method_accumulate4": ("sgd", {"momentum": 0.9}, 4, ("method", 0.3), False),
 }
 _TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -56,8 +58,9 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, step:
 
 def reference(name: str) -> dict[str, torch.Tensor]:
     kind, hyper, accumulation, clipping, _ = CONFIGS[name]
-    hyper = {k: v for k, v in hyper.items() if k != "overlap_comm"}
-    model = make_model(seed=0)
+    checkpoint_mode = hyper.get("checkpoint")
+    hyper = {k: v for k, v in hyper.items() if k not in ("overlap_comm", "checkpoint")}
+    model = make_model(seed=0, checkpoint_mode=checkpoint_mode)
     optimizer = _TORCH_OPTIMIZERS[kind](param_groups(model, _LRS[kind]), **hyper)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -72,7 +75,9 @@ def reference(name: str) -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world_size: int, name: str) -> dict[str, Any]:
     kind, hyper, accumulation, clipping, use_no_sync = CONFIGS[name]
-    model = make_model(seed=rank)
+    checkpoint_mode = hyper.get("checkpoint")
+    hyper = {k: v for k, v in hyper.items() if k != "checkpoint"}
+    model = make_model(seed=rank, checkpoint_mode=checkpoint_mode)
     max_norm = clipping[1] if clipping and clipping[0] == "option" else None
     optimizer = zeroshard.ZeroOptimizer(
         param_groups(model, _LRS[kind]),

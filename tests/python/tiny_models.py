@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, WIDTH, HIDDEN, SEQ = 11, 6, 13, 5
@@ -31,18 +32,30 @@ class TinyNet(nn.Module):
         self.unused = nn.Linear(3, 2)
         self.empty = nn.Parameter(torch.zeros(0))
 
+        # None, "reentrant" or "non_reentrant": run fc1 under activation checkpointing.
+        self.checkpoint_mode: str | None = None
+
+    def _fc1(self, h: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_mode is None:
+            return self.fc1(h)
+        return torch.utils.checkpoint.checkpoint(
+            self.fc1, h, use_reentrant=self.checkpoint_mode == "reentrant"
+        )
+
     def forward(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         h = self.embed(tokens)
         for _ in range(2):  # fc1 and fc2 run twice
-            h = self.fc2(torch.tanh(self.fc1(h))) * self.scale
+            h = self.fc2(torch.tanh(self._fc1(h))) * self.scale
         if step % 2 == 0:
             h = h + self.sometimes
         return self.head(torch.tanh(h))
 
 
-def make_model(seed: int = 0) -> TinyNet:
+def make_model(seed: int = 0, checkpoint_mode: str | None = None) -> TinyNet:
     torch.manual_seed(seed)
-    return TinyNet()
+    model = TinyNet()
+    model.checkpoint_mode = checkpoint_mode
+    return model
 
 
 def param_groups(model: TinyNet, lrs: tuple[float, float]) -> list[dict[str, Any]]:

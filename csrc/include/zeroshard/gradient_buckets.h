@@ -79,6 +79,7 @@ class GradientBuckets {
     at::Tensor staging;        // 1D, bucket.numel; defined once a gradient arrived
     std::vector<bool> filled;  // per slot of the bucket, this round
     int64_t pending = 0;       // non-empty parameters still missing this round
+    bool launched = false;     // its reduce-scatter left this round
   };
   struct InFlight {
     PendingCollective work;

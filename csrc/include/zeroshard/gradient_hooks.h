@@ -9,10 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <unordered_set>
 #include <vector>
 
 namespace zeroshard {
@@ -20,7 +21,8 @@ namespace zeroshard {
 class GradientHooks {
  public:
   // on_gradient(group, index, param): param.grad() holds the accumulated
-  // gradient. on_backward_end(): after the backward pass that fired any hook.
+  // gradient. on_backward_end(): after each backward pass (graph task) that
+  // fired any hook.
   using GradientCallback = std::function<void(size_t, int64_t, const at::Tensor&)>;
   GradientHooks(const std::vector<std::vector<at::Tensor>>& params, GradientCallback on_gradient,
                 std::function<void()> on_backward_end);
@@ -40,7 +42,11 @@ class GradientHooks {
   std::vector<Installed> installed_;
   GradientCallback on_gradient_;
   std::function<void()> on_backward_end_;
-  std::atomic<bool> end_callback_queued_{false};
+  // Graph tasks (backward passes) with an end callback queued. A reentrant
+  // backward (torch.utils.checkpoint with use_reentrant=True) runs inside the
+  // outer one as its own graph task and gets its own callback.
+  std::mutex queued_mutex_;
+  std::unordered_set<int> queued_graph_tasks_;
 };
 
 }  // namespace zeroshard
