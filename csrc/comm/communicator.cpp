@@ -71,22 +71,22 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
   return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr);
 }
 
-void Communicator::all_reduce_sum(at::Tensor& tensor, const std::string& tag) {
+void Communicator::all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                              const std::string& tag) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
+  options.reduceOp = op;
   track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
         tag)
       .wait();
 }
 
+void Communicator::all_reduce_sum(at::Tensor& tensor, const std::string& tag) {
+  all_reduce(tensor, c10d::ReduceOp::SUM, tag);
+}
+
 void Communicator::all_reduce_max(at::Tensor& tensor, const std::string& tag) {
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MAX;
-  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
-        tag)
-      .wait();
+  all_reduce(tensor, c10d::ReduceOp::MAX, tag);
 }
 
 PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tensor& input,

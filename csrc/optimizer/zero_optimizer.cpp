@@ -334,7 +334,9 @@ void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
                     " has a sparse gradient; zeroshard does not support sparse "
                     "gradients (use a dense embedding: sparse=False)");
   at::NoGradGuard no_grad;
-  comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  if (comm_->event_log_enabled()) {  // no string building per gradient otherwise
+    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  }
   buckets_->add_gradient(g, i, grad);
   gradients_reduced_ = false;
   // The full gradient now lives in the bucket; only the shard stays.

@@ -14,7 +14,15 @@ import torch
 import zeroshard
 
 from dist_harness import run_ranks, unwrap
-from tiny_models import make_model, max_abs_diff, param_groups, snapshot, step_lr, train
+from tiny_models import (
+    assert_ranks_match_reference,
+    make_model,
+    max_abs_diff,
+    param_groups,
+    snapshot,
+    step_lr,
+    train,
+)
 
 STEPS = 10
 TOLERANCE = 1e-6
@@ -81,14 +89,12 @@ def trained(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_torch_optim_after_ten_steps(trained, name: str) -> None:
     world_size, results = trained
-    expected = reference(name)
-    for rank, result in enumerate(results):
-        diff = max_abs_diff(result[name]["params"], expected)
-        print(f"world_size={world_size} rank={rank} {name}: max abs diff {diff:.3e}")
-        assert diff <= TOLERANCE, (name, world_size, rank, diff)
-    # Every rank ends with bit-identical parameters.
-    for result in results[1:]:
-        assert max_abs_diff(result[name]["params"], results[0][name]["params"]) == 0.0
+    assert_ranks_match_reference(
+        [r[name]["params"] for r in results],
+        reference(name),
+        TOLERANCE,
+        f"world_size={world_size} {name}",
+    )
 
 
 def test_scheduler_changes_are_applied(trained) -> None:

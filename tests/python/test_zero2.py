@@ -16,7 +16,14 @@ from torch import nn
 import zeroshard
 
 from dist_harness import run_ranks, unwrap
-from tiny_models import SEQ, VOCAB, make_model, max_abs_diff, param_groups, snapshot
+from tiny_models import (
+    SEQ,
+    VOCAB,
+    assert_ranks_match_reference,
+    make_model,
+    param_groups,
+    snapshot,
+)
 
 STEPS = 10
 TOLERANCE = 1e-6
@@ -159,13 +166,12 @@ def trained(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_stage2_matches_torch_optim_after_ten_steps(trained, name: str) -> None:
     world_size, results = trained
-    expected = reference(name)
-    for rank, result in enumerate(results):
-        diff = max_abs_diff(result[name]["params"], expected)
-        print(f"stage 2 world_size={world_size} rank={rank} {name}: max abs diff {diff:.3e}")
-        assert diff <= TOLERANCE, (name, world_size, rank, diff)
-    for result in results[1:]:
-        assert max_abs_diff(result[name]["params"], results[0][name]["params"]) == 0.0
+    assert_ranks_match_reference(
+        [r[name]["params"] for r in results],
+        reference(name),
+        TOLERANCE,
+        f"stage 2 world_size={world_size} {name}",
+    )
 
 
 def test_clip_grad_norm_returns_the_unsharded_total_norm(trained) -> None:

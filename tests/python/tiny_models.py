@@ -119,3 +119,18 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
+
+
+def assert_ranks_match_reference(
+    per_rank: list[dict[str, torch.Tensor]],
+    expected: dict[str, torch.Tensor],
+    tolerance: float,
+    label: str,
+) -> None:
+    """Every rank within `tolerance` of the reference, and all ranks bit-identical."""
+    for rank, params in enumerate(per_rank):
+        diff = max_abs_diff(params, expected)
+        print(f"{label} rank={rank}: max abs diff {diff:.3e}")
+        assert diff <= tolerance, (label, rank, diff)
+    for params in per_rank[1:]:
+        assert max_abs_diff(params, per_rank[0]) == 0.0, label

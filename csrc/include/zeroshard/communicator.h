@@ -91,6 +91,7 @@ class Communicator {
 
   // The event log records launches and waits in order while enabled.
   void set_event_log_enabled(bool enabled) { log_enabled_ = enabled; }
+  bool event_log_enabled() const { return log_enabled_; }
   const std::vector<CommEvent>& event_log() const { return log_; }
   // Records a non-collective event (e.g. a gradient hook firing) in the log.
   void note(const std::string& what, const std::string& tag) {
@@ -101,6 +102,7 @@ class Communicator {
   void clear_event_log() { log_.clear(); }
 
  private:
+  void all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                           const std::string& tag);
 
