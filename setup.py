@@ -20,6 +20,7 @@ def core_sources() -> list[str]:
         "csrc/comm/communicator.cpp",
         "csrc/optim/*.cpp",
         "csrc/grads/*.cpp",
+        "csrc/params/*.cpp",
         "csrc/estimator/*.cpp",
         "csrc/optimizer/*.cpp",
         "csrc/bindings/*.cpp",

@@ -11,6 +11,11 @@
 
 namespace py = pybind11;
 
+namespace zeroshard {
+// Defined in module_hooks.cpp.
+void bind_module_hooks(py::module_& m);
+}  // namespace zeroshard
+
 // [Note: GIL and collectives]
 // Every binding that issues a collective releases the GIL first. Gloo's
 // worker thread may drop the last reference to a tensor whose storage has a
@@ -79,12 +84,49 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind 
   return options;
 }
 
+// ZeroOptions from the Python layer's keyword arguments (already validated
+// for type there; ranges are checked by the core).
+ZeroOptions zero_options_from(const py::dict& values) {
+  ZeroOptions options;
+  for (const auto& item : values) {
+    const auto key = item.first.cast<std::string>();
+    const py::handle value = item.second;
+    if (key == "stage") {
+      options.stage(value.cast<int64_t>());
+    } else if (key == "reduce_bucket_size") {
+      options.reduce_bucket_size(value.cast<int64_t>());
+    } else if (key == "broadcast_from_rank") {
+      options.broadcast_from_rank(value.cast<int64_t>());
+    } else if (key == "max_norm") {
+      options.max_norm(value.cast<double>());
+    } else if (key == "max_buckets_in_flight") {
+      options.max_buckets_in_flight(value.cast<int64_t>());
+    } else if (key == "overlap_comm") {
+      options.overlap_comm(value.cast<bool>());
+    } else if (key == "fused") {
+      options.fused(value.cast<bool>());
+    } else if (key == "stage3_prefetch_bucket_size") {
+      options.stage3_prefetch_bucket_size(value.cast<int64_t>());
+    } else if (key == "stage3_param_persistence_threshold") {
+      options.stage3_param_persistence_threshold(value.cast<int64_t>());
+    } else if (key == "stage3_max_live_parameters") {
+      options.stage3_max_live_parameters(value.cast<int64_t>());
+    } else if (key == "check_collective_order") {
+      options.check_collective_order(value.cast<bool>());
+    } else if (key == "materialize_device") {
+      options.materialize_device(c10::Device(value.cast<std::string>()));
+    } else {
+      TORCH_CHECK_TYPE(false, "unknown ZeRO option '", key, "'");
+    }
+  }
+  return options;
+}
+
 std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
-    const std::vector<py::dict>& group_hyperparameters, int64_t stage, int64_t reduce_bucket_size,
-    int64_t broadcast_from_rank, double max_norm, int64_t max_buckets_in_flight, bool overlap_comm,
-    bool fused) {
+    const std::vector<py::dict>& group_hyperparameters, const py::dict& zero_options,
+    const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& units) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -94,17 +136,15 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
   }
   auto defaults =
       make_options(kind, group_hyperparameters.empty() ? py::dict() : group_hyperparameters[0]);
+  const ZeroOptions options = zero_options_from(zero_options);
+  std::vector<ParameterUnit> parameter_units;
+  for (const auto& [name, params] : units) {
+    parameter_units.push_back(ParameterUnit{name, params});
+  }
   // See [Note: GIL and collectives].
   py::gil_scoped_release release;
-  return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults,
-                                         ZeroOptions()
-                                             .stage(stage)
-                                             .reduce_bucket_size(reduce_bucket_size)
-                                             .broadcast_from_rank(broadcast_from_rank)
-                                             .max_norm(max_norm)
-                                             .max_buckets_in_flight(max_buckets_in_flight)
-                                             .overlap_comm(overlap_comm)
-                                             .fused(fused));
+  return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults, options,
+                                         std::move(parameter_units));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -238,12 +278,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fused") = false,
       "One inner-optimizer update of flat fp32 tensors in place (for benchmarks and tests).");
 
-  py::class_<ZeroOptimizer>(m, "ZeroOptimizer")
+  py::class_<ZeroOptimizer> optimizer_class(m, "ZeroOptimizer");
+  zeroshard::bind_module_hooks(m);
+  optimizer_class
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
-           py::arg("stage"), py::arg("reduce_bucket_size"), py::arg("broadcast_from_rank"),
-           py::arg("max_norm"), py::arg("max_buckets_in_flight"), py::arg("overlap_comm"),
-           py::arg("fused"))
+           py::arg("zero_options"), py::arg("units"))
       .def(
           "set_hyperparameters",
           [](ZeroOptimizer& self, const std::vector<py::dict>& values) {
@@ -304,6 +344,24 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
+      .def("full_parameters", &ZeroOptimizer::full_parameters, py::arg("rank") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("num_units", &ZeroOptimizer::num_units)
+      .def("pin_parameters", &ZeroOptimizer::pin_parameters, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("unpin_parameters", &ZeroOptimizer::unpin_parameters, py::arg("params"),
+           py::arg("modifier_rank") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("replacement_parameters", &ZeroOptimizer::replacement_parameters)
+      .def("adopt_parameters", &ZeroOptimizer::adopt_parameters, py::arg("params"))
+      .def("begin_initialization", &ZeroOptimizer::begin_initialization, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_initialization", &ZeroOptimizer::end_initialization, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("parameter_bytes", &ZeroOptimizer::parameter_bytes)
+      .def("gathered_parameter_bytes", &ZeroOptimizer::gathered_parameter_bytes)
+      .def("peak_gathered_parameter_bytes", &ZeroOptimizer::peak_gathered_parameter_bytes)
+      .def("reset_peak_gathered_parameter_bytes",
+           &ZeroOptimizer::reset_peak_gathered_parameter_bytes)
       .def_property_readonly("rank", [](ZeroOptimizer& self) { return self.communicator().rank(); })
       .def_property_readonly("world_size",
                              [](ZeroOptimizer& self) { return self.communicator().world_size(); })

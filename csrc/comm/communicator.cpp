@@ -71,8 +71,54 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
   return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr);
 }
 
+void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
+                               const std::string& tag) {
+  if (!order_check_ || world_size_ == 1) {
+    return;
+  }
+  const std::string description = std::string(collective_kind_name(kind)) + " '" + tag + "' of " +
+                                  std::to_string(tensor.numel()) + " elements";
+  // FNV-1a of the description, kept positive so that max(-x) gives the minimum.
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : description) {
+    hash = (hash ^ c) * 1099511628211ull;
+  }
+  const auto signature = static_cast<int64_t>(hash >> 1);
+  checked_.emplace(signature, description);
+  std::vector<at::Tensor> tensors{
+      at::tensor({signature, -signature}, at::kLong).to(tensor.device())};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  try {
+    track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, 16,
+          "order_check")
+        .wait();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "rank ", rank_, " timed out or failed at step ", step_, " before issuing ",
+                description,
+                ": another rank did not issue a matching collective (did the ranks run "
+                "different modules or a different number of steps?). Cause: ",
+                e.what_without_backtrace());
+  }
+  const at::Tensor extremes = tensors[0].cpu();
+  const int64_t largest = extremes[0].item<int64_t>();
+  const int64_t smallest = -extremes[1].item<int64_t>();
+  if (largest == signature && smallest == signature) {
+    return;
+  }
+  const int64_t other = largest != signature ? largest : smallest;
+  const auto known = checked_.find(other);
+  TORCH_CHECK(false, "the ranks' collectives diverged at step ", step_, ": rank ", rank_,
+              " is about to issue ", description, " but another rank issued ",
+              known != checked_.end() ? known->second : std::string("a different collective"),
+              ". Every rank must run the same modules in the same order (stage 3 gathers "
+              "parameters from module hooks); data-dependent control flow must agree across "
+              "ranks");
+}
+
 void Communicator::all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
                               const std::string& tag) {
+  check_order(CollectiveKind::kAllReduce, tensor, tag);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
@@ -97,6 +143,7 @@ PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tenso
     output.copy_(input);
     return PendingCollective();
   }
+  check_order(CollectiveKind::kReduceScatter, input, tag);
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   return track(process_group_->_reduce_scatter_base(output, input, options),
@@ -111,6 +158,7 @@ PendingCollective Communicator::all_gather(at::Tensor& output, at::Tensor& input
     output.copy_(input);
     return PendingCollective();
   }
+  check_order(CollectiveKind::kAllGather, output, tag);
   return track(process_group_->_allgather_base(output, input), CollectiveKind::kAllGather,
                bytes_of(output), tag);
 }
@@ -119,6 +167,7 @@ void Communicator::broadcast(at::Tensor& tensor, int64_t root, const std::string
   if (world_size_ == 1) {
     return;
   }
+  check_order(CollectiveKind::kBroadcast, tensor, tag);
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;

@@ -22,11 +22,12 @@ std::string bucket_tag(size_t group, size_t bucket) {
 GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& comm,
                                  std::vector<at::TensorOptions> grad_options,
                                  GradShardOf grad_shard_of, size_t max_in_flight,
-                                 bool launch_eagerly)
+                                 bool launch_eagerly, BucketComplete on_complete)
     : layout_(layout),
       comm_(comm),
       grad_options_(std::move(grad_options)),
       grad_shard_of_(std::move(grad_shard_of)),
+      on_complete_(std::move(on_complete)),
       max_in_flight_(std::max<size_t>(1, max_in_flight)),
       launch_eagerly_(launch_eagerly) {
   TORCH_INTERNAL_ASSERT(grad_options_.size() == layout_.groups().size());
@@ -105,6 +106,9 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
     target.copy_(grad.reshape({-1}));
     state.filled[slot_in_bucket] = true;
     state.pending -= 1;
+    if (state.pending == 0 && on_complete_) {
+      on_complete_(g, b);
+    }
   }
   if (launch_eagerly_) {
     launch_ready();

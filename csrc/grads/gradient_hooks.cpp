@@ -25,7 +25,8 @@ class PostAccumulateHook : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 GradientHooks::GradientHooks(const std::vector<std::vector<at::Tensor>>& params,
-                             GradientCallback on_gradient, std::function<void()> on_backward_end)
+                             GradientCallback on_gradient,
+                             std::function<void(bool)> on_backward_end)
     : on_gradient_(std::move(on_gradient)), on_backward_end_(std::move(on_backward_end)) {
   for (size_t g = 0; g < params.size(); ++g) {
     for (size_t i = 0; i < params[g].size(); ++i) {
@@ -53,7 +54,7 @@ GradientHooks::~GradientHooks() {
   }
 }
 
-void GradientHooks::fired(size_t group, int64_t index, const at::Tensor& param) {
+void GradientHooks::track_current_backward() {
   const int graph_task = torch::autograd::get_current_graph_task_id();
   bool first_in_task = false;
   {
@@ -62,13 +63,19 @@ void GradientHooks::fired(size_t group, int64_t index, const at::Tensor& param) 
   }
   if (first_in_task) {
     torch::autograd::Engine::get_default_engine().queue_callback([this, graph_task]() {
+      bool outermost = false;
       {
         std::lock_guard<std::mutex> lock(queued_mutex_);
         queued_graph_tasks_.erase(graph_task);
+        outermost = queued_graph_tasks_.empty();
       }
-      on_backward_end_();
+      on_backward_end_(outermost);
     });
   }
+}
+
+void GradientHooks::fired(size_t group, int64_t index, const at::Tensor& param) {
+  track_current_backward();
   on_gradient_(group, index, param);
 }
 

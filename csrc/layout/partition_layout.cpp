@@ -25,12 +25,45 @@ uint64_t mix(uint64_t hash, int64_t value) {
 }  // namespace
 
 GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
-                         int64_t bucket_numel)
+                         int64_t bucket_numel, const std::vector<int64_t>& param_units)
     : world_size_(world_size), bucket_numel_(bucket_numel) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ", bucket_numel);
   const auto num_params = static_cast<int64_t>(param_numels.size());
+  TORCH_CHECK_VALUE(param_units.empty() || param_units.size() == param_numels.size(),
+                    "param_units must be empty or give one unit per parameter");
   slot_of_param_.assign(num_params, -1);
+  const bool has_units = !param_units.empty();
+  auto unit_of = [&](int64_t index) { return has_units ? param_units[index] : kNoUnit; };
+
+  // See [Note: Partition layout]: reverse registration order; with units, each
+  // unit's parameters are made contiguous (units in order of first appearance,
+  // parameters of no unit last), so a unit is gathered by one collective.
+  std::vector<int64_t> order;
+  for (int64_t index = num_params - 1; index >= 0; --index) {
+    order.push_back(index);
+  }
+  if (has_units) {
+    std::vector<std::pair<int64_t, int64_t>> first_seen;  // unit -> rank of first appearance
+    auto rank_of = [&](int64_t unit) {
+      if (unit == kNoUnit) {
+        return num_params;  // after every unit
+      }
+      for (const auto& [u, r] : first_seen) {
+        if (u == unit) {
+          return r;
+        }
+      }
+      first_seen.emplace_back(unit, static_cast<int64_t>(first_seen.size()));
+      return first_seen.back().second;
+    };
+    std::vector<int64_t> key(num_params);
+    for (int64_t index : order) {
+      key[index] = rank_of(unit_of(index));
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+  }
 
   // See [Note: Partition layout]: reverse registration order.
   int64_t offset = 0;
@@ -52,16 +85,23 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     open.shard_offset = buckets_.back().shard_offset + buckets_.back().shard_numel;
     open_real_numel = 0;
   };
-  for (int64_t index = num_params - 1; index >= 0; --index) {
+  for (int64_t index : order) {
     const int64_t numel = param_numels[index];
     TORCH_CHECK_VALUE(numel >= 0, "parameter numel must be >= 0, got ", numel);
     ParamSlot slot;
     slot.param_index = index;
     slot.numel = numel;
+    slot.unit = unit_of(index);
     if (numel > 0) {
-      if (open_real_numel > 0 && open_real_numel + numel > bucket_numel_) {
+      // A unit is never split (it is gathered as one); parameters of no unit
+      // are cut into buckets by size as usual.
+      const bool unit_changes = open_real_numel > 0 && slot.unit != open.unit;
+      const bool too_big =
+          open_real_numel > 0 && slot.unit == kNoUnit && open_real_numel + numel > bucket_numel_;
+      if (unit_changes || too_big) {
         close_bucket();
       }
+      open.unit = slot.unit;
       slot.flat_offset = open.flat_offset + open_real_numel;
       slot.bucket_index = static_cast<int64_t>(buckets_.size());
       open_real_numel += numel;
@@ -123,16 +163,24 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
   for (const auto& slot : slots_) {
     hash = mix(hash, slot.param_index);
     hash = mix(hash, slot.numel);
+    if (slot.unit != kNoUnit) {  // stage 1/2 fingerprints stay what they were
+      hash = mix(hash, slot.unit);
+    }
   }
   return hash;
 }
 
 PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
-                                 int64_t world_size, int64_t bucket_numel)
+                                 int64_t world_size, int64_t bucket_numel,
+                                 const std::vector<std::vector<int64_t>>& group_param_units)
     : world_size_(world_size) {
+  TORCH_CHECK_VALUE(
+      group_param_units.empty() || group_param_units.size() == group_param_numels.size(),
+      "group_param_units must be empty or give one entry per group");
   groups_.reserve(group_param_numels.size());
-  for (const auto& numels : group_param_numels) {
-    groups_.emplace_back(numels, world_size, bucket_numel);
+  for (size_t g = 0; g < group_param_numels.size(); ++g) {
+    groups_.emplace_back(group_param_numels[g], world_size, bucket_numel,
+                         group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g]);
   }
 }
 

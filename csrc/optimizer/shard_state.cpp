@@ -104,8 +104,7 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
     error = e.what_without_backtrace();
   }
   comm_->raise_if_any_rank_failed(
-      error, "load its zeroshard optimizer state; nothing was loaded on any rank",
-      shards_[0].flat_param.device());
+      error, "load its zeroshard optimizer state; nothing was loaded on any rank", device());
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {

@@ -5,16 +5,26 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <unordered_map>
 
 namespace zeroshard {
 
 void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
-  TORCH_CHECK_VALUE(options.stage() == 1 || options.stage() == 2, "unsupported ZeRO stage ",
+  TORCH_CHECK_VALUE(options.stage() >= 1 && options.stage() <= 3, "unsupported ZeRO stage ",
                     options.stage(),
-                    "; zeroshard implements stage 1 (optimizer state sharding) and stage 2 "
-                    "(optimizer state and gradient sharding). Stage 3 is not implemented yet");
+                    "; zeroshard implements stage 1 (optimizer state sharding), stage 2 "
+                    "(optimizer state and gradient sharding) and stage 3 (parameters too)");
+  TORCH_CHECK_VALUE(options.stage3_prefetch_bucket_size() >= 0,
+                    "stage3_prefetch_bucket_size must be >= 0 elements, got ",
+                    options.stage3_prefetch_bucket_size());
+  TORCH_CHECK_VALUE(options.stage3_param_persistence_threshold() >= 0,
+                    "stage3_param_persistence_threshold must be >= 0 elements, got ",
+                    options.stage3_param_persistence_threshold());
+  TORCH_CHECK_VALUE(options.stage3_max_live_parameters() >= 0,
+                    "stage3_max_live_parameters must be >= 0 elements, got ",
+                    options.stage3_max_live_parameters());
   TORCH_CHECK_VALUE(options.max_norm() >= 0, "max_norm must be >= 0 (0 turns clipping off), got ",
                     options.max_norm());
   TORCH_CHECK_VALUE(options.max_buckets_in_flight() >= 1,
@@ -31,10 +41,27 @@ ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup
                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                              const torch::optim::OptimizerOptions& inner_defaults,
                              ZeroOptions options)
+    : ZeroOptimizer(param_groups, std::move(process_group), inner_defaults, options, {}) {}
+
+ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                             const torch::optim::OptimizerOptions& inner_defaults,
+                             ZeroOptions options, std::vector<ParameterUnit> units)
     : Optimizer(param_groups, inner_defaults.clone()),
       inner_kind_(inner_optimizer_kind_of(inner_defaults)),
       options_(options) {
-  initialize(std::move(process_group));
+  initialize(std::move(process_group), std::move(units));
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  *alive_ = false;
+  hooks_.reset();
+  if (buckets_) {
+    try {
+      buckets_->wait_all();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to report to in a destructor
+    }
+  }
 }
 
 ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
@@ -46,10 +73,20 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
               torch::optim::OptimizerParamGroup(std::move(params))},
           std::move(process_group), inner_defaults, options) {}
 
-void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group) {
+void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                               std::vector<ParameterUnit> units) {
   TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
+  const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
+                          ? at::Tensor()
+                          : param_groups_[0].params()[0];
+  device_ = !first.defined()  ? c10::Device(c10::kCPU)
+            : first.is_meta() ? options_.materialize_device()
+                              : first.device();
   std::string error;
+  std::vector<std::vector<int64_t>> param_units;
+  std::vector<std::string> unit_names;
+  std::vector<std::vector<at::Tensor>> unit_params;
   try {
     validate_zero_options(options_, comm_->world_size());
     for (auto& group : param_groups_) {
@@ -57,18 +94,18 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     }
     TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
                       "fused=True is available for Adam and AdamW, not SGD");
+    TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
+                      "units are a stage 3 feature; this optimizer has stage ", options_.stage());
     validate_parameters();
+    if (options_.stage() == 3) {
+      param_units = assign_units(units, unit_names, unit_params);
+    }
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   }
   // Usually every rank passes the same arguments and fails alike; if only some
   // do, the others must not wait for them in the first collective.
-  const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
-                          ? at::Tensor()
-                          : param_groups_[0].params()[0];
-  const c10::Device device =
-      first.defined() && !first.is_meta() ? first.device() : c10::Device(c10::kCPU);
-  comm_->raise_if_any_rank_failed(error, "construct its ZeroOptimizer", device);
+  comm_->raise_if_any_rank_failed(error, "construct its ZeroOptimizer", device_);
 
   std::vector<std::vector<int64_t>> numels;
   for (const auto& group : param_groups_) {
@@ -78,25 +115,128 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     }
     numels.push_back(std::move(group_numels));
   }
-  layout_ =
-      std::make_unique<PartitionLayout>(numels, comm_->world_size(), options_.reduce_bucket_size());
+  layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
+                                              options_.reduce_bucket_size(), param_units);
   check_layout_agrees_across_ranks();
-  build_group_shards();
-  std::vector<at::TensorOptions> grad_options;
-  std::vector<std::vector<at::Tensor>> params;
+  std::vector<at::TensorOptions> param_options;
+  for (const auto& group : param_groups_) {
+    param_options.push_back(group.params()[0].options().device(device_).requires_grad(false));
+  }
+  if (options_.stage() == 3) {
+    comm_->set_order_check_enabled(options_.check_collective_order());
+    std::vector<std::vector<BucketId>> unit_buckets;
+    for (const auto& params : unit_params) {
+      unit_buckets.push_back(buckets_of(params));
+    }
+    gatherer_ = std::make_unique<ParameterGatherer>(
+        *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),
+        [this](size_t g, size_t b) {
+          const Bucket& bucket = layout_->group(g).buckets()[b];
+          return shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+        },
+        options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
+  }
+  shards_.resize(param_groups_.size());
   for (size_t g = 0; g < shards_.size(); ++g) {
-    grad_options.push_back(shards_[g].flat_param.options());
-    params.push_back(param_groups_[g].params());
+    shards_[g].param_options = param_options[g];
+  }
+  build_group_shards();
+  GradientBuckets::BucketComplete on_complete;
+  if (gatherer_) {
+    on_complete = [this](size_t g, size_t b) { gatherer_->bucket_complete(g, b); };
   }
   buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, *comm_, std::move(grad_options),
+      *layout_, *comm_, param_options,
       [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
-      static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm());
-  if (options_.stage() >= 2) {
-    hooks_ = std::make_unique<GradientHooks>(
-        params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
-        [this]() { on_backward_end(); });
+      static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
+      std::move(on_complete));
+  bool waiting_for_adoption = false;
+  for (const auto& group : replacements_) {
+    for (const auto& replacement : group) {
+      waiting_for_adoption = waiting_for_adoption || replacement.defined();
+    }
   }
+  if (options_.stage() >= 2 && !waiting_for_adoption) {
+    install_gradient_hooks();
+  }
+}
+
+void ZeroOptimizer::install_gradient_hooks() {
+  std::vector<std::vector<at::Tensor>> params;
+  for (const auto& group : param_groups_) {
+    params.push_back(group.params());
+  }
+  hooks_ = std::make_unique<GradientHooks>(
+      params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
+      [this](bool outermost) { on_backward_end(outermost); });
+}
+
+std::vector<std::vector<int64_t>> ZeroOptimizer::assign_units(
+    const std::vector<ParameterUnit>& units, std::vector<std::string>& unit_names,
+    std::vector<std::vector<at::Tensor>>& unit_params) {
+  std::unordered_map<const void*, std::pair<size_t, size_t>> index_of;
+  std::vector<std::vector<int64_t>> param_units(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    param_units[g].assign(params.size(), kNoUnit);
+    for (size_t i = 0; i < params.size(); ++i) {
+      index_of.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
+    }
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    const ParameterUnit& unit = units[u];
+    TORCH_CHECK_VALUE(
+        std::find(unit_names.begin(), unit_names.end(), unit.name) == unit_names.end(),
+        "two units are named '", unit.name, "'; unit names must be unique");
+    std::vector<at::Tensor> kept;
+    for (size_t p = 0; p < unit.params.size(); ++p) {
+      const auto found = index_of.find(unit.params[p].unsafeGetTensorImpl());
+      TORCH_CHECK_VALUE(found != index_of.end(), "parameter ", p, " of unit '", unit.name,
+                        "' is not one of the optimizer's parameters; pass every parameter of "
+                        "the units to the optimizer");
+      const auto [g, i] = found->second;
+      const int64_t numel = param_groups_[g].params()[i].numel();
+      if (numel < options_.stage3_param_persistence_threshold()) {
+        continue;  // persistent: stays gathered, belongs to no unit
+      }
+      if (param_units[g][i] == kNoUnit) {
+        param_units[g][i] = static_cast<int64_t>(u);
+      }
+      kept.push_back(unit.params[p]);
+    }
+    unit_names.push_back(unit.name);
+    unit_params.push_back(std::move(kept));
+  }
+  return param_units;
+}
+
+std::vector<BucketId> ZeroOptimizer::buckets_of(const std::vector<at::Tensor>& params) const {
+  std::vector<BucketId> buckets;
+  auto add = [&](size_t g, int64_t i) {
+    const ParamSlot& slot = layout_->group(g).slot_of_param(i);
+    if (slot.numel == 0) {
+      return;
+    }
+    const BucketId id{g, static_cast<size_t>(slot.bucket_index)};
+    if (std::find(buckets.begin(), buckets.end(), id) == buckets.end()) {
+      buckets.push_back(id);
+    }
+  };
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& group = param_groups_[g].params();
+    for (size_t i = 0; i < group.size(); ++i) {
+      if (params.empty()) {
+        add(g, static_cast<int64_t>(i));
+        continue;
+      }
+      for (const auto& param : params) {
+        if (param.unsafeGetTensorImpl() == group[i].unsafeGetTensorImpl()) {
+          add(g, static_cast<int64_t>(i));
+        }
+      }
+    }
+  }
+  return buckets;
 }
 
 void ZeroOptimizer::validate_parameters() const {
@@ -126,6 +266,9 @@ void ZeroOptimizer::validate_parameters() const {
       if (!device) {
         device = param.device();
       }
+      TORCH_CHECK_VALUE(!param.is_meta() || options_.stage() == 3, "parameter ", i, " of group ", g,
+                        " is on the meta device; only stage 3 materializes meta parameters "
+                        "(partitioned construction). Materialize the model or use stage=3");
       TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g, " is on ",
                         param.device(), " but the first parameter is on ", *device,
                         "; all parameters must be on one device");
@@ -140,7 +283,7 @@ void ZeroOptimizer::validate_parameters() const {
 void ZeroOptimizer::check_layout_agrees_across_ranks() {
   const int64_t fingerprint = layout_->fingerprint();
   at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
-  extremes = extremes.to(param_groups_[0].params()[0].device());
+  extremes = extremes.to(device());
   comm_->all_reduce_max(extremes, "layout_check");
   extremes = extremes.cpu();
   const int64_t max_fp = extremes[0].item<int64_t>();
@@ -155,12 +298,19 @@ void ZeroOptimizer::check_layout_agrees_across_ranks() {
 void ZeroOptimizer::build_group_shards() {
   const int64_t rank = comm_->rank();
   at::NoGradGuard no_grad;
-  shards_.resize(param_groups_.size());
+  replacements_.assign(param_groups_.size(), {});
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const GroupLayout& layout = layout_->group(g);
     auto& params = param_groups_[g].params();
     GroupShards& shard = shards_[g];
-    const auto param_options = params[0].options().requires_grad(false);
+    const auto param_options = shard.param_options;
+    shard.steps.assign(params.size(), 0);
+    shard.segments = layout.segments_of_rank(rank);
+    if (options_.stage() == 3) {
+      build_stage3_shards(g);
+      ensure_state_tensors(g);
+      continue;
+    }
     shard.flat_param = at::zeros({layout.flat_numel()}, param_options);
     for (size_t i = 0; i < params.size(); ++i) {
       const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
@@ -189,9 +339,64 @@ void ZeroOptimizer::build_group_shards() {
       // allocates it only while a step runs.
       shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
     }
-    shard.steps.assign(params.size(), 0);
-    shard.segments = layout.segments_of_rank(rank);
     ensure_state_tensors(g);
+  }
+}
+
+// Stage 3: each bucket is assembled in its full buffer once (from the
+// parameters, or zeros for meta parameters), this rank keeps its slice in
+// param_shard, the parameters become views of the buffer, and the buffer's
+// storage is freed unless the bucket is persistent.
+void ZeroOptimizer::build_stage3_shards(size_t g) {
+  const int64_t rank = comm_->rank();
+  const GroupLayout& layout = layout_->group(g);
+  auto& params = param_groups_[g].params();
+  GroupShards& shard = shards_[g];
+  const bool meta = params[0].is_meta();
+  shard.param_shard = at::zeros({layout.shard_numel()}, shard.param_options);
+  shard.grad_shard = at::zeros({layout.shard_numel()}, shard.param_options);
+  replacements_[g].assign(params.size(), at::Tensor());
+  for (size_t b = 0; b < layout.buckets().size(); ++b) {
+    const Bucket& bucket = layout.buckets()[b];
+    at::Tensor& full = gatherer_->full(g, b);
+    full.zero_();
+    if (!meta) {
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        const ParamSlot& slot = layout.slots()[s];
+        full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel)
+            .copy_(params[slot.param_index].detach().reshape({-1}));
+      }
+      comm_->broadcast(full, options_.broadcast_from_rank(),
+                       "group" + std::to_string(g) + "/initial_params");
+      gatherer_->mark_initialized(g, b);
+    }
+    shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel)
+        .copy_(full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel));
+    for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+      const ParamSlot& slot = layout.slots()[s];
+      at::Tensor& param = params[slot.param_index];
+      at::Tensor view =
+          full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel).view(param.sizes());
+      if (meta) {
+        replacements_[g][slot.param_index] = view;
+      } else {
+        param.set_data(view);
+      }
+    }
+    gatherer_->release(g, b);  // no-op for persistent buckets
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) {  // in no bucket
+      at::Tensor empty = at::empty(params[i].sizes(), shard.param_options);
+      if (meta) {
+        replacements_[g][i] = empty;
+      } else {
+        params[i].set_data(empty);
+      }
+    }
+  }
+  if (shard.param_options.dtype() != at::kFloat) {
+    shard.master = shard.param_shard.to(at::kFloat);
   }
 }
 
@@ -203,13 +408,16 @@ void ZeroOptimizer::build_group_shards() {
 // all-gather sends them on. Adam's per-rank state is then 8 bytes per owned
 // element instead of 12, the ZeRO paper's fp32 figure.
 at::TensorOptions ZeroOptimizer::fp32_options() const {
-  return shards_[0].flat_param.options().dtype(at::kFloat);
+  return shards_[0].param_options.dtype(at::kFloat);
 }
 
 at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
   GroupShards& shard = shards_[g];
   if (shard.master.defined()) {
     return shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  if (shard.param_shard.defined()) {  // stage 3, fp32
+    return shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
   }
   return shard.flat_param.narrow(0, layout_->group(g).rank_slice_offset(bucket, comm_->rank()),
                                  bucket.shard_numel);
@@ -219,6 +427,9 @@ at::Tensor ZeroOptimizer::master_shard(size_t g) const {
   const GroupShards& shard = shards_[g];
   if (shard.master.defined()) {
     return shard.master.detach().clone();
+  }
+  if (shard.param_shard.defined()) {  // stage 3, fp32
+    return shard.param_shard.detach().clone();
   }
   const GroupLayout& layout = layout_->group(g);
   at::Tensor out = at::empty({layout.shard_numel()}, fp32_options());
@@ -259,6 +470,9 @@ void ZeroOptimizer::ensure_state_tensors(size_t g) {
 const at::Tensor& ZeroOptimizer::flat_parameters(size_t group) const {
   TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ", shards_.size(),
                     ")");
+  TORCH_CHECK(options_.stage() < 3,
+              "flat_parameters() is a stage 1/2 view; at stage 3 parameters are gathered per "
+              "unit (use full_parameters() or pin_parameters())");
   return shards_[group].flat_param;
 }
 
@@ -294,15 +508,16 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   }
   update_shards(has_grad);
   gather_parameters();
+  comm_->set_step(comm_->step() + 1);
   // The step consumes the gradients.
-  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   clear_gradient_shards();
   return loss;
 }
 
 void ZeroOptimizer::zero_grad(bool set_to_none) {
   Optimizer::zero_grad(set_to_none);
-  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   if (!buckets_->round_open()) {
     clear_gradient_shards();
   }
@@ -325,7 +540,7 @@ void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
   if (!gradient_sync_) {
     return;  // no_sync: the gradient stays in .grad
   }
-  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::Tensor& grad = param.mutable_grad();
   if (!grad.defined()) {
     return;
@@ -350,19 +565,23 @@ at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
   return taken;
 }
 
-void ZeroOptimizer::on_backward_end() {
-  if (!gradient_sync_) {
-    return;
-  }
-  std::lock_guard<std::mutex> lock(gradient_mutex_);
+void ZeroOptimizer::on_backward_end(bool outermost) {
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
-  buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
-                  /*force_round=*/false);
-  buckets_->wait_all();
+  if (gradient_sync_) {
+    buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
+                    /*force_round=*/false);
+    buckets_->wait_all();
+  }
+  // An inner (reentrant checkpoint) backward must not release what the
+  // outer backward still needs.
+  if (gatherer_ && outermost) {
+    gatherer_->backward_finished();
+  }
 }
 
 void ZeroOptimizer::finish_gradient_reduction() {
-  std::lock_guard<std::mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   if (gradients_reduced_) {
     return;
   }
@@ -373,7 +592,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       shards_[g].grad_shard =
-          at::zeros({layout_->group(g).shard_numel()}, shards_[g].flat_param.options());
+          at::zeros({layout_->group(g).shard_numel()}, shards_[g].param_options);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -457,7 +676,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
       data[index] = buckets_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
     }
   }
-  flags = flags.to(param_groups_[0].params()[0].device());
+  flags = flags.to(device());
   comm_->all_reduce_max(flags, "grad_presence");
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
@@ -524,6 +743,15 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
 }
 
 void ZeroOptimizer::gather_parameters() {
+  if (gatherer_) {
+    for (auto& shard : shards_) {
+      if (shard.master.defined()) {  // 16-bit parameters: send the rounded master
+        shard.param_shard.copy_(shard.master);
+      }
+    }
+    gatherer_->after_step();
+    return;
+  }
   std::vector<PendingCollective> pending;
   std::vector<at::Tensor> inputs;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -541,6 +769,214 @@ void ZeroOptimizer::gather_parameters() {
   }
   for (auto& work : pending) {
     work.wait();
+  }
+}
+
+}  // namespace zeroshard
+
+namespace zeroshard {
+
+std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
+                    comm_->world_size(), "), got ", rank);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> out(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    const auto& params = param_groups_[g].params();
+    if (comm_->rank() == rank) {
+      for (const auto& param : params) {
+        out[g].push_back(at::zeros(param.sizes(), fp32_options()));
+      }
+    }
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      const Bucket& bucket = layout.buckets()[b];
+      at::Tensor input = master_slice(g, bucket).to(at::kFloat, /*non_blocking=*/false,
+                                                    /*copy=*/true);
+      at::Tensor full = at::empty({bucket.numel}, fp32_options());
+      comm_->all_gather(full, input, "full_parameters/" + bucket_tag(g, b)).wait();
+      if (comm_->rank() != rank) {
+        continue;
+      }
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        const ParamSlot& slot = layout.slots()[s];
+        out[g][slot.param_index].view({-1}).copy_(
+            full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel));
+      }
+    }
+  }
+  return out;
+}
+
+int64_t ZeroOptimizer::num_units() const { return gatherer_ ? gatherer_->num_units() : 0; }
+
+int64_t ZeroOptimizer::unit_index(const std::string& name) const {
+  for (int64_t u = 0; u < num_units(); ++u) {
+    if (gatherer_->unit_name(u) == name) {
+      return u;
+    }
+  }
+  TORCH_CHECK_INDEX(false, "no unit named '", name, "'");
+}
+
+void ZeroOptimizer::unit_pre_forward(int64_t unit) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  // A forward inside a backward pass is an activation-checkpoint recompute.
+  const bool in_backward = torch::autograd::get_current_graph_task_id() != -1;
+  if (in_backward && hooks_) {
+    hooks_->track_current_backward();
+  }
+  gatherer_->pre_forward(unit, in_backward);
+}
+
+void ZeroOptimizer::unit_post_forward(int64_t unit) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  gatherer_->post_forward(unit, torch::autograd::get_current_graph_task_id() != -1);
+}
+
+void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) {
+    return;
+  }
+  std::weak_ptr<bool> alive = alive_;
+  // Registering on a tensor that autograd already finished with is harmless:
+  // the hook never fires.
+  const_cast<at::Tensor&>(output).register_hook([this, alive, unit](const at::Tensor&) {
+    if (alive.expired()) {
+      return;
+    }
+    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+    at::NoGradGuard no_grad;
+    if (hooks_) {
+      hooks_->track_current_backward();
+    }
+    gatherer_->pre_backward(unit);
+  });
+}
+
+void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
+  if (!gatherer_) {
+    return;  // stages 1 and 2: always gathered
+  }
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  gatherer_->pin(buckets_of(params));
+}
+
+void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
+  TORCH_CHECK_VALUE(modifier_rank < comm_->world_size(), "modifier_rank must be < world size ",
+                    comm_->world_size(), ", got ", modifier_rank);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  const std::vector<BucketId> buckets = buckets_of(params);
+  if (modifier_rank >= 0) {
+    for (const auto& [g, b] : buckets) {
+      const Bucket& bucket = layout_->group(g).buckets()[b];
+      at::Tensor full = gatherer_
+                            ? gatherer_->full(g, b)
+                            : shards_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+      comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
+      at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+      master_slice(g, bucket).copy_(mine);
+      if (shards_[g].param_shard.defined()) {
+        shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+      }
+    }
+  }
+  if (gatherer_) {
+    gatherer_->unpin(buckets);
+  }
+}
+
+void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>& params) {
+  TORCH_CHECK_VALUE(params.size() == param_groups_.size(), "adopt_parameters: expected ",
+                    param_groups_.size(), " groups, got ", params.size());
+  for (size_t g = 0; g < params.size(); ++g) {
+    auto& current = param_groups_[g].params();
+    TORCH_CHECK_VALUE(params[g].size() == current.size(), "adopt_parameters: group ", g, " has ",
+                      current.size(), " parameters, got ", params[g].size());
+    for (size_t i = 0; i < current.size(); ++i) {
+      const at::Tensor& replacement = replacements_.at(g).at(i);
+      const at::Tensor& given = params[g][i];
+      TORCH_CHECK_VALUE(given.defined() && given.sizes() == current[i].sizes(),
+                        "adopt_parameters: parameter ", i, " of group ", g, " must keep its shape ",
+                        current[i].sizes());
+      if (replacement.defined()) {
+        TORCH_CHECK_VALUE(given.is_alias_of(replacement), "adopt_parameters: parameter ", i,
+                          " of group ", g,
+                          " must share storage with replacement_parameters()[g][i] (wrap "
+                          "it, e.g. torch.nn.Parameter(replacement), do not copy it)");
+      }
+      current[i] = given;
+    }
+    replacements_[g].assign(current.size(), at::Tensor());
+  }
+  if (options_.stage() >= 2) {
+    install_gradient_hooks();
+  }
+}
+
+void ZeroOptimizer::begin_initialization(const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(gatherer_, "begin_initialization is for stage 3 partitioned construction");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  gatherer_->pin_for_initialization(buckets_of(params));
+}
+
+void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(gatherer_, "end_initialization is for stage 3 partitioned construction");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  const std::vector<BucketId> buckets = buckets_of(params);
+  for (const auto& [g, b] : buckets) {
+    const Bucket& bucket = layout_->group(g).buckets()[b];
+    at::Tensor mine =
+        gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+    shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    if (shards_[g].master.defined()) {
+      shards_[g].master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
+  }
+  gatherer_->unpin(buckets);
+}
+
+int64_t ZeroOptimizer::parameter_bytes() const {
+  int64_t bytes = gathered_parameter_bytes();
+  for (const auto& shard : shards_) {
+    if (shard.param_shard.defined()) {
+      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
+    }
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::gathered_parameter_bytes() const {
+  if (gatherer_) {
+    return gatherer_->live_bytes();
+  }
+  int64_t bytes = 0;
+  for (const auto& shard : shards_) {
+    bytes += shard.flat_param.numel() * static_cast<int64_t>(shard.flat_param.element_size());
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::peak_gathered_parameter_bytes() const {
+  if (!gatherer_) {
+    return gathered_parameter_bytes();
+  }
+  return gatherer_->peak_live_numel() *
+         static_cast<int64_t>(c10::elementSize(shards_[0].param_options.dtype().toScalarType()));
+}
+
+void ZeroOptimizer::reset_peak_gathered_parameter_bytes() {
+  if (gatherer_) {
+    gatherer_->reset_peak_live_numel();
   }
 }
 

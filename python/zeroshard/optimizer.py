@@ -8,13 +8,14 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zeroshard import _C
+from zeroshard.units import materialize, plan_units, register_hooks
 
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -59,8 +60,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hooks reduce-scatter them bucket by bucket during backward and
             release each parameter's ``.grad``, so after backward ``.grad`` is
             None and each rank holds only its gradient shard.
+            3 also shards the parameters: each rank keeps 1/N of every
+            parameter; a unit's parameters are all-gathered just before its
+            forward and backward and freed right after (needs ``module=``).
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
+        module: stage 3: the model whose forward runs the parameters (hooks are
+            registered on its submodules).
+        unit_classes: stage 3: module classes gathered as one unit (e.g. a
+            transformer block). Other modules owning parameters directly are
+            units of their own parameters.
+        param_init_fn: stage 3 with parameters on the meta device: initializes
+            one module's direct parameters in place, called in
+            ``Module.apply`` order (default: ``module.reset_parameters()``).
+        materialize_device: stage 3: where meta parameters are materialized.
+        stage3_prefetch_bucket_size: elements the prefetch may gather ahead.
+        stage3_param_persistence_threshold: parameters with fewer elements
+            stay gathered.
+        stage3_max_live_parameters: gathered elements beyond which prefetch stops.
+        check_collective_order: stage 3: ranks compare every collective before
+            issuing it, so diverging control flow raises instead of hanging.
         reduce_bucket_size: elements per gradient bucket (DeepSpeed's key; the
             default 5e6 lets stage 2 overlap backward, where DeepSpeed's 5e8
             makes most models a single bucket).
@@ -90,12 +109,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         process_group: dist.ProcessGroup | None = None,
         *,
+        module: torch.nn.Module | None = None,
+        unit_classes: Sequence[type[torch.nn.Module]] = (),
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+        materialize_device: str | torch.device = "cpu",
         reduce_bucket_size: int = 5_000_000,
         broadcast_from_rank: int = 0,
         max_norm: float | None = None,
         max_buckets_in_flight: int = 2,
         overlap_comm: bool = True,
         fused: bool = False,
+        stage3_prefetch_bucket_size: int = 50_000_000,
+        stage3_param_persistence_threshold: int = 100_000,
+        stage3_max_live_parameters: int = 1_000_000_000,
+        check_collective_order: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -123,22 +150,51 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "environment for it) or pass process_group="
                 )
             process_group = dist.group.WORLD
+        if stage == 3 and module is None:
+            raise ValueError(
+                "stage 3 needs module=<the model>: its parameters are gathered by hooks on "
+                "the model's submodules"
+            )
+        if stage != 3 and (module is not None or unit_classes or param_init_fn is not None):
+            raise ValueError(
+                f"module=, unit_classes= and param_init_fn= are stage 3 options; stage is {stage}"
+            )
         self._kind = kind
         self._stage = stage
         self._process_group = process_group
+        self._module = module
+        units = plan_units(module, unit_classes) if module is not None else []
+        self._units = units
+        zero_options = {
+            "stage": int(stage),
+            "reduce_bucket_size": int(reduce_bucket_size),
+            "broadcast_from_rank": int(broadcast_from_rank),
+            "max_norm": float(max_norm or 0.0),
+            "max_buckets_in_flight": int(max_buckets_in_flight),
+            "overlap_comm": bool(overlap_comm),
+            "fused": bool(fused),
+            "stage3_prefetch_bucket_size": int(stage3_prefetch_bucket_size),
+            "stage3_param_persistence_threshold": int(stage3_param_persistence_threshold),
+            "stage3_max_live_parameters": int(stage3_max_live_parameters),
+            "check_collective_order": bool(check_collective_order),
+            "materialize_device": str(torch.device(materialize_device)),
+        }
         self._impl = _C.ZeroOptimizer(
             [list(group["params"]) for group in self.param_groups],
             process_group,
             kind,
             self._hyperparameters(),
-            stage,
-            int(reduce_bucket_size),
-            int(broadcast_from_rank),
-            float(max_norm or 0.0),
-            int(max_buckets_in_flight),
-            bool(overlap_comm),
-            bool(fused),
+            zero_options,
+            [(unit.name, unit.params) for unit in units],
         )
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        if stage == 3:
+            assert module is not None
+            if any(p.is_meta for group in self.param_groups for p in group["params"]):
+                materialize(self._impl, module, self.param_groups, param_init_fn)
+                units = plan_units(module, unit_classes)  # now over the real parameters
+                self._units = units
+            self._hook_handles = register_hooks(self._impl, units)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         keys = _DEFAULTS[self._kind]
@@ -222,7 +278,83 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     group[key] = value
 
+    # Gathering on demand ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self,
+        params: Iterable[torch.Tensor] | None = None,
+        modifier_rank: int | None = None,
+    ) -> Iterator[None]:
+        """Collective: inside the block, ``params`` (all when None) hold their full values.
+
+        At stage 3 their units are gathered on entry and released on exit; at
+        stages 1 and 2 parameters are always whole. With ``modifier_rank``,
+        that rank's in-place edits made inside the block are broadcast on exit
+        and kept (they become the master weights), as DeepSpeed's
+        ``GatheredParameters(modifier_rank=...)``.
+        """
+        chosen = list(params) if params is not None else []
+        self._impl.pin_parameters(chosen)
+        try:
+            yield
+        finally:
+            self._impl.unpin_parameters(chosen, -1 if modifier_rank is None else modifier_rank)
+
+    def full_state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        """Collective: the full fp32 model state on ``rank`` (empty dict elsewhere).
+
+        Keys are ``module.named_parameters()`` names when the optimizer knows the
+        model (stage 3), else ``"group{g}.{i}"``. Values are the master weights.
+        """
+        full = self._impl.full_parameters(rank)
+        if not full or not full[0]:
+            return {}
+        by_id = {
+            id(p): value
+            for group, values in zip(self.param_groups, full, strict=True)
+            for p, value in zip(group["params"], values, strict=True)
+        }
+        if self._module is not None:
+            return {
+                name: by_id[id(p)]
+                for name, p in self._module.named_parameters(remove_duplicate=False)
+                if id(p) in by_id
+            }
+        return {
+            f"group{g}.{i}": value
+            for g, values in enumerate(full)
+            for i, value in enumerate(values)
+        }
+
+    def remove_hooks(self) -> None:
+        """Stage 3: detaches the module hooks (the model can no longer run)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    @property
+    def units(self) -> list[str]:
+        """Stage 3: the names of the gathering units, in order."""
+        return [unit.name for unit in self._units]
+
     # Measuring and introspection -------------------------------------------------
+
+    def parameter_bytes(self) -> int:
+        """Bytes of parameter storage held now: shards plus gathered buffers."""
+        return int(self._impl.parameter_bytes())
+
+    def gathered_parameter_bytes(self) -> int:
+        """Bytes of full-size parameter buffers held now (stage 3: gathered units)."""
+        return int(self._impl.gathered_parameter_bytes())
+
+    def peak_gathered_parameter_bytes(self) -> int:
+        """Largest ``gathered_parameter_bytes()`` since the last reset."""
+        return int(self._impl.peak_gathered_parameter_bytes())
+
+    def reset_peak_gathered_parameter_bytes(self) -> None:
+        """Restarts peak tracking of the gathered parameter buffers."""
+        self._impl.reset_peak_gathered_parameter_bytes()
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 master + inner state)."""

@@ -134,3 +134,54 @@ def assert_ranks_match_reference(
         assert diff <= tolerance, (label, rank, diff)
     for params in per_rank[1:]:
         assert max_abs_diff(params, per_rank[0]) == 0.0, label
+
+
+class Block(nn.Module):
+    """A transformer-like block: layer norm (called twice), token mixing, MLP."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, width)
+        self.mlp_in = nn.Linear(width, hidden)
+        self.mlp_out = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        # Causal mixing: each position sees the mean of the positions up to it.
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        x = x + self.mix(torch.cumsum(h, dim=1) / steps)
+        return x + self.mlp_out(torch.tanh(self.mlp_in(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token embedding tied to the output head, a learned position table owned
+    by the root, two blocks (the second optionally checkpointed), final norm."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 8, hidden: int = 12, layers: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Parameter(torch.randn(SEQ, width) * 0.1)
+        self.blocks = nn.ModuleList(Block(width, hidden) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.checkpoint_mode: str | None = None
+
+    def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        for index, block in enumerate(self.blocks):
+            if self.checkpoint_mode is not None and index == len(self.blocks) - 1:
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, use_reentrant=self.checkpoint_mode == "reentrant"
+                )
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_gpt(seed: int = 0, checkpoint_mode: str | None = None, **sizes: int) -> TinyGPT:
+    torch.manual_seed(seed)
+    model = TinyGPT(**sizes)
+    model.checkpoint_mode = checkpoint_mode
+    return model

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace zeroshard {
@@ -86,6 +87,21 @@ class Communicator {
   void raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
                                 c10::Device device);
 
+  // [Note: Collective order check]
+  // While enabled, every collective is preceded by a small all-reduce in which
+  // the ranks compare what they are about to issue (kind, size, tag). Stage 3
+  // issues collectives from module hooks, so a rank that runs different
+  // modules than the others (data-dependent control flow) would otherwise
+  // deadlock or mix up buffers; with the check every rank raises an error
+  // naming both collectives and the step. A rank that stops issuing
+  // collectives altogether is caught by the process group's timeout, which is
+  // rethrown with the same context.
+  void set_order_check_enabled(bool enabled) { order_check_ = enabled; }
+  bool order_check_enabled() const { return order_check_; }
+  // The training step reported in errors.
+  void set_step(int64_t step) { step_ = step; }
+  int64_t step() const { return step_; }
+
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats(); }
 
@@ -105,6 +121,7 @@ class Communicator {
   void all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                           const std::string& tag);
+  void check_order(CollectiveKind kind, const at::Tensor& tensor, const std::string& tag);
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   int64_t rank_;
@@ -112,6 +129,9 @@ class Communicator {
   CommStats stats_;
   bool log_enabled_ = false;
   std::vector<CommEvent> log_;
+  bool order_check_ = false;
+  int64_t step_ = 0;
+  std::unordered_map<int64_t, std::string> checked_;  // signature -> description
 };
 
 }  // namespace zeroshard

@@ -39,10 +39,14 @@ class GradientBuckets {
   // the staging memory).
   // With launch_eagerly false, buckets launch only at flush() (no overlap
   // with backward; DeepSpeed's overlap_comm=false).
+  // on_complete(g, b), if set: every gradient of bucket b of group g arrived
+  // in this round (stage 3 releases the bucket's parameters then).
   using GradShardOf = std::function<at::Tensor&(size_t group)>;
+  using BucketComplete = std::function<void(size_t group, size_t bucket)>;
   GradientBuckets(const PartitionLayout& layout, Communicator& comm,
                   std::vector<at::TensorOptions> grad_options, GradShardOf grad_shard_of,
-                  size_t max_in_flight, bool launch_eagerly = true);
+                  size_t max_in_flight, bool launch_eagerly = true,
+                  BucketComplete on_complete = nullptr);
 
   // Copies the full gradient of parameter `index` of group `group` into its
   // bucket and launches every bucket that is now complete and next in order.
@@ -100,6 +104,7 @@ class GradientBuckets {
   Communicator& comm_;
   std::vector<at::TensorOptions> grad_options_;
   GradShardOf grad_shard_of_;
+  BucketComplete on_complete_;
   size_t max_in_flight_;
   bool launch_eagerly_;
   std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]

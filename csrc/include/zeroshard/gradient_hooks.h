@@ -21,14 +21,20 @@ namespace zeroshard {
 class GradientHooks {
  public:
   // on_gradient(group, index, param): param.grad() holds the accumulated
-  // gradient. on_backward_end(): after each backward pass (graph task) that
-  // fired any hook.
+  // gradient. on_backward_end(outermost): after each backward pass (graph
+  // task) that fired any hook or called track_current_backward(); outermost
+  // is false while another such graph task is still running (the end of a
+  // reentrant checkpoint's backward inside the outer one).
   using GradientCallback = std::function<void(size_t, int64_t, const at::Tensor&)>;
   GradientHooks(const std::vector<std::vector<at::Tensor>>& params, GradientCallback on_gradient,
-                std::function<void()> on_backward_end);
+                std::function<void(bool outermost)> on_backward_end);
   ~GradientHooks();
   GradientHooks(const GradientHooks&) = delete;
   GradientHooks& operator=(const GradientHooks&) = delete;
+
+  // From inside a backward pass (e.g. a tensor hook): makes sure
+  // on_backward_end runs when this graph task ends.
+  void track_current_backward();
 
  private:
   void fired(size_t group, int64_t index, const at::Tensor& param);
@@ -41,7 +47,7 @@ class GradientHooks {
   };
   std::vector<Installed> installed_;
   GradientCallback on_gradient_;
-  std::function<void()> on_backward_end_;
+  std::function<void(bool)> on_backward_end_;
   // Graph tasks (backward passes) with an end callback queued. A reentrant
   // backward (torch.utils.checkpoint with use_reentrant=True) runs inside the
   // outer one as its own graph task and gets its own callback.

@@ -29,12 +29,17 @@ namespace zeroshard {
 // optimizer does). Parameters that straddle a slice boundary are split, so
 // every rank holds the same number of elements whatever the tensor sizes.
 
+// The unit of parameters that belong to no gathering unit (stages 1 and 2,
+// and stage 3's persistent parameters).
+constexpr int64_t kNoUnit = -1;
+
 // Where one parameter sits in its group's flat buffer.
 struct ParamSlot {
   int64_t param_index = 0;  // index of the parameter within its group
   int64_t flat_offset = 0;  // first element in the group's flat buffer
   int64_t numel = 0;
   int64_t bucket_index = -1;  // -1 for empty parameters (numel == 0)
+  int64_t unit = kNoUnit;     // stage 3: the unit gathered with it
 };
 
 // A contiguous range of the flat buffer reduced and gathered as one.
@@ -45,6 +50,7 @@ struct Bucket {
   int64_t shard_offset = 0;  // where this bucket's slice starts in a shard
   int64_t first_slot = 0;    // slots [first_slot, end_slot) lie in it
   int64_t end_slot = 0;
+  int64_t unit = kNoUnit;  // stage 3: every parameter of a bucket has one unit
 };
 
 // The part of one parameter that one rank owns.
@@ -59,7 +65,10 @@ struct ShardSegment {
 // The layout of one parameter group.
 class GroupLayout {
  public:
-  GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel);
+  // param_units (stage 3): the unit of each parameter, or kNoUnit; empty for
+  // stages 1 and 2. A bucket then holds one unit, never split by size.
+  GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel,
+              const std::vector<int64_t>& param_units = {});
 
   int64_t world_size() const { return world_size_; }
   int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
@@ -101,7 +110,8 @@ class GroupLayout {
 class PartitionLayout {
  public:
   PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels, int64_t world_size,
-                  int64_t bucket_numel);
+                  int64_t bucket_numel,
+                  const std::vector<std::vector<int64_t>>& group_param_units = {});
 
   int64_t world_size() const { return world_size_; }
   const std::vector<GroupLayout>& groups() const { return groups_; }

@@ -1,6 +1,6 @@
 // zeroshard::ZeroOptimizer: a torch::optim::Optimizer that shards the
 // optimizer state (ZeRO-1) and, at stage 2, the gradients across the ranks of
-// a c10d process group.
+// a c10d process group; at stage 3 the parameters too.
 //
 //   auto pg = ...;  // c10::intrusive_ptr<c10d::ProcessGroup>
 //   zeroshard::ZeroOptimizer optimizer(model->parameters(), pg,
@@ -23,6 +23,7 @@
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/zero_options.h"
 
@@ -49,6 +50,16 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   ZeroOptimizer(std::vector<at::Tensor> params,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                 const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {});
+  // Stage 3: `units` say which parameters are gathered together (see
+  // unit_module.h for torch::nn models, python/zeroshard/units.py for Python
+  // ones). Parameters in no unit, or smaller than
+  // stage3_param_persistence_threshold, stay gathered. Parameters on the meta
+  // device are not materialized here: see replacement_parameters().
+  ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options,
+                std::vector<ParameterUnit> units);
+  ~ZeroOptimizer() override;
 
   // Collective: every rank must call it. Reads each parameter's .grad, which
   // holds that rank's local gradient (gradients are averaged across ranks
@@ -103,10 +114,61 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+  // Collective. The full fp32 values (the master weights) of every parameter,
+  // per group, on rank `rank`; other ranks get empty lists. Works at every
+  // stage; gathers one bucket at a time.
+  std::vector<std::vector<at::Tensor>> full_parameters(int64_t rank = 0);
+
+  // ---- Stage 3 ---------------------------------------------------------------
+  // Unit hooks, called by the module hooks (Python) or UnitModule (C++).
+  // Collective: every rank calls them in the same order.
+  int64_t num_units() const;
+  int64_t unit_index(const std::string& name) const;
+  void unit_pre_forward(int64_t unit);
+  void unit_post_forward(int64_t unit);
+  // Makes the unit's backward gather its parameters first: hooks `output`
+  // (when it requires grad) so that its gradient triggers the gather.
+  void unit_track_output(int64_t unit, const at::Tensor& output);
+
+  // Collective. Gathers the buckets holding `params` (all parameters when
+  // empty) and keeps them gathered until unpin_parameters. With
+  // modifier_rank >= 0, unpinning broadcasts that rank's values and stores
+  // them in the shards (edits made while gathered persist). Any stage: at
+  // stages 1 and 2 parameters are always gathered, so only the broadcast acts.
+  void pin_parameters(const std::vector<at::Tensor>& params);
+  void unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank = -1);
+
+  // Partitioned construction: when the parameters were on the meta device,
+  // the tensors to use instead (same shapes, on materialize_device, views of
+  // the released bucket buffers), per group; undefined where the parameter
+  // was not meta. Put them in the model, then call adopt_parameters.
+  const std::vector<std::vector<at::Tensor>>& replacement_parameters() const {
+    return replacements_;
+  }
+  // Replaces the optimizer's parameters by `params` (per group, same shapes),
+  // which must be the replacements (or tensors sharing their storage).
+  void adopt_parameters(const std::vector<std::vector<at::Tensor>>& params);
+  // Collective. Gathers (or zero-allocates, the first time) the storage of
+  // `params` so initial values can be written into them in place;
+  // end_initialization keeps this rank's slices and releases the storage.
+  void begin_initialization(const std::vector<at::Tensor>& params);
+  void end_initialization(const std::vector<at::Tensor>& params);
+
+  // Bytes of parameter storage held now: the parameter shards (stage 3), the
+  // gathered buffers (every stage), and the peak of the latter since reset.
+  int64_t parameter_bytes() const;
+  int64_t gathered_parameter_bytes() const;
+  int64_t peak_gathered_parameter_bytes() const;
+  void reset_peak_gathered_parameter_bytes();
+
  private:
   // Per group, this rank's shards and what it needs to use them.
   struct GroupShards {
-    at::Tensor flat_param;  // 1D, layout.flat_numel(), parameter dtype
+    at::TensorOptions param_options;  // dtype and device of the parameters
+    at::Tensor flat_param;            // stages 1-2: 1D, layout.flat_numel(), parameter dtype
+    // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
+    // what the all-gathers send. For fp32 parameters it is also the master.
+    at::Tensor param_shard;
     at::Tensor grad_shard;  // 1D, shard_numel, parameter dtype
     // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
     // master values are this rank's slices of flat_param itself. See
@@ -120,7 +182,15 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     std::vector<ShardSegment> segments;  // what this rank owns
   };
 
-  void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+  void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                  std::vector<ParameterUnit> units);
+  std::vector<std::vector<int64_t>> assign_units(const std::vector<ParameterUnit>& units,
+                                                 std::vector<std::string>& unit_names,
+                                                 std::vector<std::vector<at::Tensor>>& unit_params);
+  void build_stage3_shards(size_t group);
+  void install_gradient_hooks();
+  std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
+  c10::Device device() const { return device_; }
   void validate_parameters() const;
   void check_layout_agrees_across_ranks();
   void build_group_shards();
@@ -139,7 +209,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void finish_gradient_reduction();
   void clear_gradient_shards();
   void on_gradient(size_t group, int64_t index, const at::Tensor& param);
-  void on_backward_end();
+  void on_backward_end(bool outermost);
   at::Tensor take_leftover_grad(size_t group, int64_t index);
   void update_shards(const std::vector<std::vector<bool>>& has_grad);
   void gather_parameters();
@@ -150,9 +220,16 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<PartitionLayout> layout_;
   std::vector<GroupShards> shards_;
   std::unique_ptr<GradientBuckets> buckets_;
-  std::unique_ptr<GradientHooks> hooks_;  // stage 2 only
-  std::mutex gradient_mutex_;             // hooks vs. the training thread
-  bool gradients_reduced_ = false;        // shards hold the averaged gradient
+  std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
+  std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only
+  std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
+  // Lets output hooks that outlive the optimizer find out it is gone.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // Hooks (backward thread) vs. the training thread; recursive because a
+  // gradient hook can complete a bucket whose release the gatherer handles.
+  std::recursive_mutex gradient_mutex_;
+  c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
+  bool gradients_reduced_ = false;               // shards hold the averaged gradient
   bool gradient_sync_ = true;
 };
 

@@ -4,6 +4,7 @@
 // (torch::optim::AdamWOptions, AdamOptions, SGDOptions).
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/csrc/api/include/torch/arg.h>
 
 #include <cstdint>
@@ -13,7 +14,8 @@ namespace zeroshard {
 struct ZeroOptions {
   // 1: optimizer state sharded; gradients reduced at step().
   // 2: gradients sharded too, reduced from autograd hooks during backward.
-  // (Stage 3 is not implemented yet.)
+  // 3: parameters sharded too, gathered per unit just before use and released
+  //    right after (see parameter_gatherer.h).
   TORCH_ARG(int64_t, stage) = 1;
   // Elements per gradient bucket (DeepSpeed's reduce_bucket_size). Also the
   // all-gather granularity of updated parameters. 5e6 elements (20 MB in
@@ -34,6 +36,24 @@ struct ZeroOptions {
   TORCH_ARG(bool, fused) = false;
   // Rank whose initial parameter values every rank starts from.
   TORCH_ARG(int64_t, broadcast_from_rank) = 0;
+
+  // Stage 3 (DeepSpeed's keys and defaults). Elements of parameters the
+  // prefetch may gather ahead of the unit running now.
+  TORCH_ARG(int64_t, stage3_prefetch_bucket_size) = 50000000;
+  // Parameters with fewer elements stay gathered (biases, norms): gathering
+  // them costs more latency than the memory they would free.
+  TORCH_ARG(int64_t, stage3_param_persistence_threshold) = 100000;
+  // Gathered elements beyond which prefetching stops (a unit needed now is
+  // always gathered).
+  TORCH_ARG(int64_t, stage3_max_live_parameters) = 1000000000;
+  // Stage 3: ranks compare each collective before issuing it, so diverging
+  // control flow raises an error instead of hanging (see [Note: Collective
+  // order check] in communicator.h). Costs one 16-byte all-reduce per
+  // collective.
+  TORCH_ARG(bool, check_collective_order) = true;
+  // Stage 3: where parameters constructed on the meta device are
+  // materialized (partitioned construction).
+  TORCH_ARG(c10::Device, materialize_device) = c10::Device(c10::kCPU);
 };
 
 // Throws, naming the value and what is expected, if an option is invalid.

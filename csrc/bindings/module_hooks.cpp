@@ -1,0 +1,65 @@
+// Stage 3 for Python models: forward hooks on torch.nn.Module that call the
+// C++ core's unit hooks. The Python layer picks the units (wrap policy); the
+// gather/release/prefetch logic is all in ParameterGatherer.
+#include "zeroshard/zero_optimizer.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace zeroshard {
+namespace {
+
+// The tensors in a module's output: a tensor, or tuples, lists and dict
+// values of them, nested.
+void collect_tensors(py::handle value, std::vector<at::Tensor>& out) {
+  if (THPVariable_Check(value.ptr())) {
+    out.push_back(THPVariable_Unpack(value.ptr()));
+  } else if (py::isinstance<py::tuple>(value) || py::isinstance<py::list>(value)) {
+    for (py::handle item : value) {
+      collect_tensors(item, out);
+    }
+  } else if (py::isinstance<py::dict>(value)) {
+    for (const auto& item : value.cast<py::dict>()) {
+      collect_tensors(item.second, out);
+    }
+  }
+}
+
+// Registers the pre- and post-forward hooks of `unit` on `module`; returns
+// their RemovableHandles. The hooks keep the optimizer object alive, so a
+// model outliving the Python optimizer still runs safely.
+py::list register_unit_hooks(py::object optimizer, py::object module, int64_t unit) {
+  auto& self = optimizer.cast<ZeroOptimizer&>();
+  TORCH_CHECK_INDEX(unit >= 0 && unit < self.num_units(), "unit ", unit, " out of range [0, ",
+                    self.num_units(), ")");
+  py::cpp_function pre_hook([optimizer, unit](py::object, py::object) {
+    auto& opt = optimizer.cast<ZeroOptimizer&>();
+    py::gil_scoped_release release;  // see [Note: GIL and collectives] in module.cpp
+    opt.unit_pre_forward(unit);
+  });
+  py::cpp_function post_hook([optimizer, unit](py::object, py::object, py::object output) {
+    auto& opt = optimizer.cast<ZeroOptimizer&>();
+    std::vector<at::Tensor> tensors;
+    collect_tensors(output, tensors);
+    py::gil_scoped_release release;
+    for (const auto& tensor : tensors) {
+      opt.unit_track_output(unit, tensor);
+    }
+    opt.unit_post_forward(unit);
+  });
+  py::list handles;
+  handles.append(module.attr("register_forward_pre_hook")(pre_hook));
+  handles.append(module.attr("register_forward_hook")(post_hook));
+  return handles;
+}
+
+}  // namespace
+
+void bind_module_hooks(py::module_& m) {
+  m.def("register_unit_hooks", &register_unit_hooks, py::arg("optimizer"), py::arg("module"),
+        py::arg("unit"), "Registers the stage 3 gather/release hooks of `unit` on `module`.");
+}
+
+}  // namespace zeroshard

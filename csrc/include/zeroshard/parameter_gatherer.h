@@ -1,0 +1,161 @@
+// Stage 3: between uses each rank holds only its shard of every parameter.
+// The ParameterGatherer owns the full-size buffers the model's parameters are
+// views of, gathers them just before a unit needs them and frees their
+// storage right after, and prefetches the units the previous iteration used
+// next.
+//
+// A unit is a set of parameters gathered and released together (by default
+// the parameters a module owns directly; see python/zeroshard/units.py). The
+// partition layout gives each unit its own bucket, so gathering a unit is one
+// all-gather per parameter group it spans.
+//
+// [Note: Released parameters]
+// A released bucket keeps its tensor and every view of it (the model's
+// parameters, and whatever autograd saved) with their sizes, but its storage
+// holds no memory (nbytes 0, null data). Gathering allocates the storage again
+// and all-gathers into it, so the same Parameter objects see the values. A
+// kernel that touches a released parameter fails with "The tensor has a
+// non-zero number of elements, but its data is not allocated yet": a
+// parameter used outside its unit's forward (e.g. `x @ self.embed.weight.T`
+// in a parent module) must be in a unit whose forward encloses that use.
+//
+// When is a bucket held? While a forward of a unit that uses it runs
+// (reference counted: units nest and modules are called twice), from a unit's
+// pre-backward until its gradients have all arrived (or backward ends), and
+// while the user pins it (GatheredParameters). Persistent buckets (parameters
+// of no unit, or below stage3_param_persistence_threshold) are never freed.
+//
+// Thread-safety: called from the training thread and from autograd hooks on
+// the backward thread, which never run at the same time; ZeroOptimizer
+// serialises them with its mutex.
+#pragma once
+
+#include "zeroshard/communicator.h"
+#include "zeroshard/partition_layout.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace zeroshard {
+
+// (group, bucket) of the partition layout.
+using BucketId = std::pair<size_t, size_t>;
+
+// The parameters of one unit, as the user defines it. A parameter may appear
+// in several units (tied weights): it is stored with the first unit that
+// lists it and gathered for every unit that uses it.
+struct ParameterUnit {
+  std::string name;
+  std::vector<at::Tensor> params;
+};
+
+class ParameterGatherer {
+ public:
+  // shard_of(g, b): this rank's slice of bucket b of group g, in the
+  // parameters' dtype: what the all-gather sends.
+  using ShardOf = std::function<at::Tensor(size_t group, size_t bucket)>;
+
+  ParameterGatherer(const PartitionLayout& layout, Communicator& comm,
+                    std::vector<at::TensorOptions> group_options,
+                    std::vector<std::string> unit_names,
+                    std::vector<std::vector<BucketId>> unit_buckets, ShardOf shard_of,
+                    int64_t prefetch_numel, int64_t max_live_numel);
+
+  // The full-size 1D buffer of a bucket; parameters are views of it. Its
+  // storage is empty while the bucket is released.
+  at::Tensor& full(size_t group, size_t bucket) { return state(group, bucket).full; }
+  bool materialized(size_t group, size_t bucket) const {
+    return buckets_[group][bucket].materialized;
+  }
+  bool persistent(size_t group, size_t bucket) const { return buckets_[group][bucket].persistent; }
+
+  int64_t num_units() const { return static_cast<int64_t>(unit_names_.size()); }
+  const std::string& unit_name(int64_t unit) const { return unit_names_.at(unit); }
+  const std::vector<BucketId>& unit_buckets(int64_t unit) const { return unit_buckets_.at(unit); }
+
+  // Module hooks. pre_forward/pre_backward gather the unit (waiting for it)
+  // and prefetch what came next last iteration; post_forward drops the
+  // forward reference; bucket_complete drops the backward hold once every
+  // gradient of a bucket has arrived; backward_finished drops every hold.
+  // in_backward: the forward is a recomputation inside backward (activation
+  // checkpointing). Its gather is held like a pre-backward one, because
+  // non-reentrant checkpointing may stop the recomputation early, without
+  // the post-forward hook.
+  void pre_forward(int64_t unit, bool in_backward = false);
+  void post_forward(int64_t unit, bool in_backward = false);
+  void pre_backward(int64_t unit);
+  void bucket_complete(size_t group, size_t bucket);
+  void backward_finished();
+
+  // Gathers (and waits for) the given buckets and holds them until unpin.
+  void pin(const std::vector<BucketId>& buckets);
+  void unpin(const std::vector<BucketId>& buckets);
+
+  // After the optimizer updated the shards: buckets still materialized
+  // (persistent, pinned) are gathered again; everything else is released. The
+  // order observed in this iteration becomes the prefetch plan of the next.
+  void after_step();
+
+  // Partitioned construction (meta-device models): like pin(), but a bucket
+  // whose values were never set gets zeroed storage instead of a gather. The
+  // caller writes initial values, keeps this rank's slices, then unpins.
+  void pin_for_initialization(const std::vector<BucketId>& buckets);
+  // Buckets built from real parameters at construction need no initialization.
+  void mark_initialized(size_t group, size_t bucket) { state(group, bucket).initialized = true; }
+
+  // Elements of gathered parameter storage now (persistent buckets included),
+  // and the largest value since the last reset.
+  int64_t live_numel() const { return live_numel_; }
+  int64_t peak_live_numel() const { return peak_live_numel_; }
+  void reset_peak_live_numel() { peak_live_numel_ = live_numel_; }
+  int64_t live_bytes() const;
+
+  // Frees a materialized bucket now (no reference may hold it).
+  void release(size_t group, size_t bucket);
+  // Allocates and all-gathers one bucket; waits when `wait`.
+  void gather(size_t group, size_t bucket, bool wait);
+
+ private:
+  struct BucketState {
+    at::Tensor full;  // 1D, bucket.numel
+    bool persistent = false;
+    bool materialized = false;
+    PendingCollective pending;  // all-gather in flight
+    int64_t forward_refs = 0;
+    bool backward_hold = false;
+    int64_t pins = 0;
+    bool initialized = false;  // holds real values (see pin_for_initialization)
+  };
+
+  BucketState& state(size_t group, size_t bucket) { return buckets_.at(group).at(bucket); }
+  void maybe_release(size_t group, size_t bucket);
+  void gather_unit(int64_t unit, bool wait);
+  void record_and_prefetch(int64_t unit);
+  int64_t unit_missing_numel(int64_t unit) const;
+  void allocate(BucketState& bucket);
+  std::string tag(size_t group, size_t bucket) const;
+
+  const PartitionLayout& layout_;
+  Communicator& comm_;
+  std::vector<at::TensorOptions> group_options_;
+  std::vector<std::string> unit_names_;
+  std::vector<std::vector<BucketId>> unit_buckets_;
+  std::vector<std::vector<BucketState>> buckets_;
+  ShardOf shard_of_;
+  int64_t prefetch_numel_;
+  int64_t max_live_numel_;
+  int64_t live_numel_ = 0;
+  int64_t peak_live_numel_ = 0;
+  // Prefetch plan: the units gathered on demand during the last iteration,
+  // in order, and how far this iteration has followed it.
+  std::vector<int64_t> previous_order_;
+  std::vector<int64_t> current_order_;
+  size_t cursor_ = 0;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,277 @@
+#include "zeroshard/parameter_gatherer.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator& comm,
+                                     std::vector<at::TensorOptions> group_options,
+                                     std::vector<std::string> unit_names,
+                                     std::vector<std::vector<BucketId>> unit_buckets,
+                                     ShardOf shard_of, int64_t prefetch_numel,
+                                     int64_t max_live_numel)
+    : layout_(layout),
+      comm_(comm),
+      group_options_(std::move(group_options)),
+      unit_names_(std::move(unit_names)),
+      unit_buckets_(std::move(unit_buckets)),
+      shard_of_(std::move(shard_of)),
+      prefetch_numel_(prefetch_numel),
+      max_live_numel_(max_live_numel) {
+  TORCH_INTERNAL_ASSERT(unit_names_.size() == unit_buckets_.size());
+  buckets_.resize(layout_.groups().size());
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    const auto& buckets = layout_.group(g).buckets();
+    buckets_[g].resize(buckets.size());
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      BucketState& bucket = buckets_[g][b];
+      bucket.full = at::empty({buckets[b].numel}, group_options_[g]);
+      bucket.persistent = buckets[b].unit == kNoUnit;
+      bucket.materialized = true;
+      live_numel_ += buckets[b].numel;
+    }
+  }
+  peak_live_numel_ = live_numel_;
+}
+
+std::string ParameterGatherer::tag(size_t g, size_t b) const {
+  const int64_t unit = layout_.group(g).buckets()[b].unit;
+  return (unit == kNoUnit ? std::string("persistent") : unit_names_[unit]) + "/group" +
+         std::to_string(g) + "/bucket" + std::to_string(b);
+}
+
+int64_t ParameterGatherer::live_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : buckets_) {
+    for (const auto& bucket : group) {
+      if (bucket.materialized) {
+        bytes += bucket.full.numel() * static_cast<int64_t>(bucket.full.element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+// See [Note: Released parameters]. The storage object stays (so every view
+// stays valid); only its memory comes and goes. Going through the storage's
+// own allocator keeps this device-agnostic (the CUDA caching allocator on GPU).
+void ParameterGatherer::allocate(BucketState& bucket) {
+  c10::StorageImpl* storage = bucket.full.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(bucket.full.numel()) * bucket.full.element_size();
+  TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "bucket storage has no allocator");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  bucket.materialized = true;
+  live_numel_ += bucket.full.numel();
+  peak_live_numel_ = std::max(peak_live_numel_, live_numel_);
+}
+
+void ParameterGatherer::release(size_t g, size_t b) {
+  BucketState& bucket = state(g, b);
+  if (!bucket.materialized || bucket.persistent) {
+    return;
+  }
+  bucket.pending.wait();  // never free what a collective still writes
+  c10::StorageImpl* storage = bucket.full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.full.device()));
+  storage->set_nbytes(0);
+  bucket.materialized = false;
+  live_numel_ -= bucket.full.numel();
+}
+
+void ParameterGatherer::maybe_release(size_t g, size_t b) {
+  const BucketState& bucket = state(g, b);
+  if (bucket.forward_refs == 0 && !bucket.backward_hold && bucket.pins == 0) {
+    release(g, b);
+  }
+}
+
+void ParameterGatherer::gather(size_t g, size_t b, bool wait) {
+  BucketState& bucket = state(g, b);
+  if (!bucket.materialized) {
+    allocate(bucket);
+    at::Tensor input = shard_of_(g, b);
+    bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
+  }
+  if (wait) {
+    bucket.pending.wait();
+  }
+}
+
+void ParameterGatherer::gather_unit(int64_t unit, bool wait) {
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    gather(g, b, wait);
+  }
+}
+
+int64_t ParameterGatherer::unit_missing_numel(int64_t unit) const {
+  int64_t numel = 0;
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    if (!buckets_[g][b].materialized) {
+      numel += buckets_[g][b].full.numel();
+    }
+  }
+  return numel;
+}
+
+// Prefetch follows the order units were gathered on demand in the previous
+// iteration, from where this iteration matches it. The plan is only a hint:
+// a unit prefetched in vain is released later and a unit not prefetched is
+// gathered on demand, so a module called twice, skipped, or run in a new
+// order costs time, never correctness. Every rank runs the same modules, so
+// every rank derives the same prefetches (the order check verifies it).
+void ParameterGatherer::record_and_prefetch(int64_t unit) {
+  current_order_.push_back(unit);
+  auto match = std::find(previous_order_.begin() +
+                             static_cast<std::ptrdiff_t>(std::min(cursor_, previous_order_.size())),
+                         previous_order_.end(), unit);
+  if (match == previous_order_.end()) {
+    match = std::find(previous_order_.begin(), previous_order_.end(), unit);
+  }
+  if (match == previous_order_.end()) {
+    return;
+  }
+  cursor_ = static_cast<size_t>(match - previous_order_.begin()) + 1;
+  int64_t budget = prefetch_numel_;
+  for (size_t next = cursor_; next < previous_order_.size(); ++next) {
+    const int64_t candidate = previous_order_[next];
+    if (candidate == unit) {
+      continue;
+    }
+    const int64_t missing = unit_missing_numel(candidate);
+    if (missing == 0) {
+      continue;
+    }
+    if (missing > budget || live_numel_ + missing > max_live_numel_) {
+      break;
+    }
+    budget -= missing;
+    gather_unit(candidate, /*wait=*/false);
+  }
+}
+
+void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
+  gather_unit(unit, /*wait=*/false);
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    if (in_backward) {
+      state(g, b).backward_hold = true;
+    } else {
+      state(g, b).forward_refs += 1;
+    }
+  }
+  record_and_prefetch(unit);
+  gather_unit(unit, /*wait=*/true);
+}
+
+void ParameterGatherer::post_forward(int64_t unit, bool in_backward) {
+  if (in_backward) {
+    return;  // held until its gradients arrive or backward ends
+  }
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    BucketState& bucket = state(g, b);
+    TORCH_INTERNAL_ASSERT(bucket.forward_refs > 0, "post_forward without pre_forward for unit ",
+                          unit_names_.at(unit));
+    bucket.forward_refs -= 1;
+    maybe_release(g, b);
+  }
+}
+
+void ParameterGatherer::pre_backward(int64_t unit) {
+  // Every output of a unit's call fires this hook; only the first one of a
+  // backward pass counts as a use.
+  bool already_held = true;
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    already_held = already_held && state(g, b).backward_hold && state(g, b).materialized;
+  }
+  if (already_held) {
+    return;
+  }
+  gather_unit(unit, /*wait=*/false);
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    state(g, b).backward_hold = true;
+  }
+  record_and_prefetch(unit);
+  gather_unit(unit, /*wait=*/true);
+}
+
+void ParameterGatherer::bucket_complete(size_t g, size_t b) {
+  BucketState& bucket = state(g, b);
+  if (bucket.persistent) {
+    return;
+  }
+  bucket.backward_hold = false;
+  maybe_release(g, b);
+}
+
+void ParameterGatherer::backward_finished() {
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    for (size_t b = 0; b < buckets_[g].size(); ++b) {
+      buckets_[g][b].backward_hold = false;
+      maybe_release(g, b);  // also frees prefetched units nobody used
+    }
+  }
+}
+
+void ParameterGatherer::pin(const std::vector<BucketId>& buckets) {
+  for (const auto& [g, b] : buckets) {
+    gather(g, b, /*wait=*/false);
+    state(g, b).pins += 1;
+  }
+  for (const auto& [g, b] : buckets) {
+    gather(g, b, /*wait=*/true);
+  }
+}
+
+void ParameterGatherer::pin_for_initialization(const std::vector<BucketId>& buckets) {
+  for (const auto& [g, b] : buckets) {
+    BucketState& bucket = state(g, b);
+    if (!bucket.initialized) {
+      if (!bucket.materialized) {
+        allocate(bucket);
+      }
+      bucket.full.zero_();
+      bucket.initialized = true;
+    }
+  }
+  pin(buckets);
+}
+
+void ParameterGatherer::unpin(const std::vector<BucketId>& buckets) {
+  for (const auto& [g, b] : buckets) {
+    BucketState& bucket = state(g, b);
+    TORCH_CHECK(bucket.pins > 0, "unpinning ", tag(g, b), " which is not pinned");
+    bucket.pins -= 1;
+    maybe_release(g, b);
+  }
+}
+
+void ParameterGatherer::after_step() {
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    for (size_t b = 0; b < buckets_[g].size(); ++b) {
+      BucketState& bucket = buckets_[g][b];
+      bucket.backward_hold = false;
+      bucket.pending.wait();
+      if (bucket.persistent || bucket.pins > 0 || bucket.forward_refs > 0) {
+        // Still in use: refresh its values from the updated shards.
+        at::Tensor input = shard_of_(g, b);
+        bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
+      } else {
+        release(g, b);
+      }
+    }
+  }
+  for (auto& group : buckets_) {
+    for (auto& bucket : group) {
+      bucket.pending.wait();
+    }
+  }
+  previous_order_ = std::move(current_order_);
+  current_order_.clear();
+  cursor_ = 0;
+}
+
+}  // namespace zeroshard
