@@ -167,10 +167,18 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.wte.weight
         self.checkpoint_mode: str | None = None
+        # Run the blocks in reverse order on some steps and skip one on others.
+        self.vary_order = False
 
     def forward(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
-        for index, block in enumerate(self.blocks):
+        order = list(range(len(self.blocks)))
+        if self.vary_order and step % 3 == 1:
+            order.reverse()
+        elif self.vary_order and step % 3 == 2:
+            order = order[:1]
+        for index in order:
+            block = self.blocks[index]
             if self.checkpoint_mode is not None and index == len(self.blocks) - 1:
                 x = torch.utils.checkpoint.checkpoint(
                     block, x, use_reentrant=self.checkpoint_mode == "reentrant"
@@ -180,8 +188,11 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make_gpt(seed: int = 0, checkpoint_mode: str | None = None, **sizes: int) -> TinyGPT:
+def make_gpt(
+    seed: int = 0, checkpoint_mode: str | None = None, vary_order: bool = False, **sizes: int
+) -> TinyGPT:
     torch.manual_seed(seed)
     model = TinyGPT(**sizes)
     model.checkpoint_mode = checkpoint_mode
+    model.vary_order = vary_order
     return model
