@@ -358,6 +358,7 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     const Bucket& bucket = layout.buckets()[b];
+    gatherer_->ensure_allocated(g, b);
     at::Tensor& full = gatherer_->full(g, b);
     full.zero_();
     if (!meta) {
@@ -378,7 +379,12 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
       at::Tensor view =
           full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel).view(param.sizes());
       if (meta) {
-        replacements_[g][slot.param_index] = view;
+        // A tensor of its own whose data is the view: views share their
+        // base's version counter, and the gathers write the base in place,
+        // which autograd would take for an edit of a saved parameter.
+        at::Tensor replacement = at::empty({0}, shard.param_options);
+        replacement.set_data(view);
+        replacements_[g][slot.param_index] = replacement;
       } else {
         param.set_data(view);
       }

@@ -23,6 +23,13 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
       prefetch_numel_(prefetch_numel),
       max_live_numel_(max_live_numel) {
   TORCH_INTERNAL_ASSERT(unit_names_.size() == unit_buckets_.size());
+  for (const auto& buckets : unit_buckets_) {
+    int64_t numel = 0;
+    for (const auto& [g, b] : buckets) {
+      numel += layout_.group(g).buckets()[b].numel;
+    }
+    unit_numel_.push_back(numel);
+  }
   buckets_.resize(layout_.groups().size());
   for (size_t g = 0; g < buckets_.size(); ++g) {
     const auto& buckets = layout_.group(g).buckets();
@@ -33,9 +40,19 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
       bucket.persistent = buckets[b].unit == kNoUnit;
       bucket.materialized = true;
       live_numel_ += buckets[b].numel;
+      // Free it before the next allocation, so that the buckets, filled one at
+      // a time at construction, reuse one block instead of each touching its own.
+      release(g, b);
     }
   }
   peak_live_numel_ = live_numel_;
+}
+
+void ParameterGatherer::ensure_allocated(size_t g, size_t b) {
+  BucketState& bucket = state(g, b);
+  if (!bucket.materialized) {
+    allocate(bucket);
+  }
 }
 
 std::string ParameterGatherer::tag(size_t g, size_t b) const {
@@ -136,21 +153,22 @@ void ParameterGatherer::record_and_prefetch(int64_t unit) {
     return;
   }
   cursor_ = static_cast<size_t>(match - previous_order_.begin()) + 1;
-  int64_t budget = prefetch_numel_;
+  // The window is the units that follow, up to prefetch_numel elements of
+  // them, gathered or not, so the look-ahead never grows beyond it.
+  int64_t window = 0;
   for (size_t next = cursor_; next < previous_order_.size(); ++next) {
     const int64_t candidate = previous_order_[next];
     if (candidate == unit) {
       continue;
     }
+    window += unit_numel_[candidate];
     const int64_t missing = unit_missing_numel(candidate);
-    if (missing == 0) {
-      continue;
-    }
-    if (missing > budget || live_numel_ + missing > max_live_numel_) {
+    if (window > prefetch_numel_ || live_numel_ + missing > max_live_numel_) {
       break;
     }
-    budget -= missing;
-    gather_unit(candidate, /*wait=*/false);
+    if (missing > 0) {
+      gather_unit(candidate, /*wait=*/false);
+    }
   }
 }
 

@@ -115,6 +115,8 @@ class ParameterGatherer {
   void reset_peak_live_numel() { peak_live_numel_ = live_numel_; }
   int64_t live_bytes() const;
 
+  // Allocates a released bucket's storage without filling it.
+  void ensure_allocated(size_t group, size_t bucket);
   // Frees a materialized bucket now (no reference may hold it).
   void release(size_t group, size_t bucket);
   // Allocates and all-gathers one bucket; waits when `wait`.
@@ -145,6 +147,7 @@ class ParameterGatherer {
   std::vector<at::TensorOptions> group_options_;
   std::vector<std::string> unit_names_;
   std::vector<std::vector<BucketId>> unit_buckets_;
+  std::vector<int64_t> unit_numel_;  // elements of each unit's buckets
   std::vector<std::vector<BucketState>> buckets_;
   ShardOf shard_of_;
   int64_t prefetch_numel_;
