@@ -67,11 +67,11 @@ ZeroOptimizer::~ZeroOptimizer() {
 ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                              const torch::optim::OptimizerOptions& inner_defaults,
-                             ZeroOptions options)
+                             ZeroOptions options, std::vector<ParameterUnit> units)
     : ZeroOptimizer(
           std::vector<torch::optim::OptimizerParamGroup>{
               torch::optim::OptimizerParamGroup(std::move(params))},
-          std::move(process_group), inner_defaults, options) {}
+          std::move(process_group), inner_defaults, options, std::move(units)) {}
 
 void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                std::vector<ParameterUnit> units) {

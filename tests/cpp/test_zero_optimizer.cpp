@@ -4,7 +4,7 @@
 #include "zeroshard/zero_optimizer.h"
 
 #ifdef ZEROSHARD_WITH_GLOO
-#include "zeroshard/gloo_process_group.h"
+#include "rank_threads.h"
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -64,36 +64,6 @@ double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& 
 }
 
 #ifdef ZEROSHARD_WITH_GLOO
-
-// Runs fn(rank, group) on `world` threads; returns each rank's error message
-// ("" when it succeeded).
-std::vector<std::string> RunRanks(
-    int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
-  // torch's FlightRecorder (one per process) reads its per-group status map
-  // before taking its lock, so Gloo groups enqueueing from several threads at
-  // once can crash inside torch. Ranks as processes don't share it; ranks as
-  // threads turn it off before the first group exists.
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank]() {
-      try {
-        auto group = make_gloo_process_group(store, rank, world, std::chrono::seconds(60));
-        fn(rank, group);
-      } catch (const c10::Error& e) {
-        errors[rank] = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (auto& thread : threads) {
-    thread.join();
-  }
-  return errors;
-}
 
 std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& options,
                                        double max_norm = 0) {

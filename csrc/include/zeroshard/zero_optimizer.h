@@ -49,7 +49,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
                 const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {});
   ZeroOptimizer(std::vector<at::Tensor> params,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {});
+                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options = {},
+                std::vector<ParameterUnit> units = {});
   // Stage 3: `units` say which parameters are gathered together (see
   // unit_module.h for torch::nn models, python/zeroshard/units.py for Python
   // ones). Parameters in no unit, or smaller than
