@@ -30,7 +30,7 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = fc1->forward(x).tanh();
     h = fc2->forward(fc2->forward(h).tanh());  // called twice
-    return head->forward(h);                  // not a unit: stays gathered
+    return head->forward(h);                   // not a unit: stays gathered
   }
 
   UnitModule<torch::nn::Linear> fc1;
@@ -83,9 +83,9 @@ TEST(UnitModuleTest, StageThreeTrainsATorchNnModelLikeLibTorchAdamW) {
     std::vector<int64_t> gathered_between_steps(world, -1);
     const auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
       Net net = MakeNet();
-      ZeroOptimizer optimizer(
-          net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
-          ZeroOptions().stage(3).stage3_param_persistence_threshold(0), collect_units(*net));
+      ZeroOptimizer optimizer(net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
+                              ZeroOptions().stage(3).stage3_param_persistence_threshold(0),
+                              collect_units(*net));
       attach_units(*net, optimizer);
       for (int step = 0; step < kSteps; ++step) {
         auto [x, y] = Batch(step);

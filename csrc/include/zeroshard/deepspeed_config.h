@@ -11,8 +11,8 @@
 // Pure configuration: knows nothing of tensors, ranks or process groups.
 #pragma once
 
-#include <nlohmann/json.hpp>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
 
 #include "zeroshard/memory_estimator.h"
 #include "zeroshard/zero_options.h"

@@ -14,8 +14,9 @@
 // parameters, and whatever autograd saved) with their sizes, but its storage
 // holds no memory (nbytes 0, null data). Gathering allocates the storage again
 // and all-gathers into it, so the same Parameter objects see the values. A
-// kernel that touches a released parameter fails with "The tensor has a
-// non-zero number of elements, but its data is not allocated yet": a
+// op that touches a released parameter fails ("... out of bounds for storage
+// of size 0" or "... its data is not allocated yet"), never reads stale
+// memory: a
 // parameter used outside its unit's forward (e.g. `x @ self.embed.weight.T`
 // in a parent module) must be in a unit whose forward encloses that use.
 //

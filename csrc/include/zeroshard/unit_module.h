@@ -78,7 +78,7 @@ class UnitModuleImpl : public UnitModuleBase {
 
   // Before attach_units (e.g. a single-process reference model) this is the
   // inner module's forward. A sharded model that was not attached fails in its
-  // first kernel: "... its data is not allocated yet".
+  // first op on a released parameter ("... storage of size 0").
   template <typename... Args>
   auto forward(Args&&... args) {
     if (optimizer_ == nullptr) {
