@@ -5,7 +5,7 @@
 
 Every variant trains the same GPT (examples/train_gpt.py) on the same data
 with the same ranks (CPU, Gloo), each in fresh processes so peak RSS is its
-own: zeroshard stages 1 and 2; DDP + torch.optim.AdamW;
+own: zeroshard stages 1, 2 and 3; DDP + torch.optim.AdamW;
 torch.distributed.optim.ZeroRedundancyOptimizer (under DDP); FSDP2
 (fully_shard per block and at the root); DeepSpeed ZeRO 1-3 on CPU when
 ``deepspeed`` is importable (peers are optional extras, never needed by the
@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-ZEROSHARD = ["zeroshard_stage1", "zeroshard_stage2"]
+ZEROSHARD = ["zeroshard_stage1", "zeroshard_stage2", "zeroshard_stage3"]
 PEERS = ["ddp_adamw", "zero_redundancy_optimizer", "fsdp2"]
 DEEPSPEED = ["deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"]
 
@@ -93,13 +93,18 @@ class Variant:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         elif name.startswith("zeroshard_stage"):
             import zeroshard
+            from train_gpt import Block
 
+            stage = int(name[-1])
+            # Stage 3 units as FSDP2 is wrapped below: each block, and the rest.
+            stage3 = {"module": model, "unit_classes": (Block,)} if stage == 3 else {}
             self.optimizer = zeroshard.ZeroOptimizer(
                 model.parameters(),
                 "adamw",
-                stage=int(name[-1]),
+                stage=stage,
                 lr=lr,
                 reduce_bucket_size=args.bucket,
+                **stage3,
             )
         elif name.startswith("deepspeed_stage"):
             import deepspeed
@@ -186,6 +191,8 @@ def _run_variant(
     variant = Variant(name, model, args)
     if name == "fsdp2":
         param_bytes = tensor_bytes(model.parameters())  # sharded between steps
+    elif name == "zeroshard_stage3":
+        param_bytes = variant.optimizer.parameter_bytes()  # shards + persistent
     elif name.startswith("deepspeed_stage3"):
         param_bytes = tensor_bytes(p.ds_tensor for p in model.parameters())  # partitions
     per_rank = args.global_batch // world

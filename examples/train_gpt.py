@@ -118,11 +118,15 @@ def main() -> None:
     model = GPT(args.vocab, args.width, args.depth, args.heads, args.context).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    # Stage 3 gathers each transformer block as one unit (the embeddings, final
+    # norm and head are units of their own).
+    stage3 = {"module": model, "unit_classes": (Block,)} if args.stage == 3 else {}
     optimizer = zeroshard.ZeroOptimizer(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         optimizer=args.optimizer,
         stage=args.stage,
         lr=args.lr,
+        **stage3,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
@@ -169,6 +173,10 @@ def main() -> None:
                     f"{memory}",
                     flush=True,
                 )
+    # Drop the optimizer (it holds the process group) before destroying the
+    # group: a Gloo group freed during interpreter teardown can abort the
+    # process ("terminate called without an active exception").
+    del scheduler, optimizer
     dist.destroy_process_group()
 
 
