@@ -21,6 +21,7 @@ def core_sources() -> list[str]:
         "csrc/optim/*.cpp",
         "csrc/grads/*.cpp",
         "csrc/params/*.cpp",
+        "csrc/config/*.cpp",
         "csrc/estimator/*.cpp",
         "csrc/optimizer/*.cpp",
         "csrc/bindings/*.cpp",

@@ -31,10 +31,10 @@ namespace zeroshard {
 // AMP...). parse_deepspeed_config() accepts them, records their values and
 // lists each in DeepSpeedConfig::unsupported, so that a config can always be
 // read, inspected and estimated (memory_estimator.h) before any training.
-// check_supported(), which the engine calls before training, then refuses
-// them unless the config opts in with
+// check_supported(), for the training entry point to call before it starts,
+// then refuses them unless the config opts in with
 //   "zeroshard": {"ignore_unsupported": true}
-// in which case the engine warns and trains as if they were absent. Offload
+// in which case the caller warns and trains as if they were absent. Offload
 // only moves where state lives, so ignoring it changes memory use, not the
 // results; the listed message says what ignoring each setting means.
 // Optimizer and scheduler types zeroshard lacks (Lamb, OneCycle...) are
@@ -107,13 +107,15 @@ struct DeepSpeedConfig {
   // The optimizer's hyper-parameters with DeepSpeed's defaults filled in:
   //   Adam/AdamW: lr, betas [b1, b2], eps, weight_decay, amsgrad;
   //   SGD: lr, momentum, dampening, weight_decay, nesterov.
-  // DeepSpeed's selectors (torch_adam, adam_w_mode) are resolved and dropped.
+  // DeepSpeed's selectors (torch_adam, adam_w_mode, ...) are resolved and dropped.
   nlohmann::json optimizer_params = nlohmann::json::object();
 
   LrScheduleConfig scheduler;
   nlohmann::json scheduler_params = nlohmann::json::object();  // as written, for logs
 
-  double gradient_clipping = 0;  // global norm; 0 is off (DeepSpeed's default)
+  // Global-norm clipping, also set as zero.max_norm; 0 is off. 1.0 is DeepSpeed 0.19's default
+  // (older releases did not clip by default).
+  double gradient_clipping = 1.0;
   LossScaleConfig fp16;
   Bf16Config bf16;
   int64_t steps_per_print = 10;

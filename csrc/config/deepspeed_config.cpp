@@ -1,0 +1,921 @@
+#include "zeroshard/deepspeed_config.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/optim/adam.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+namespace zeroshard {
+namespace {
+
+using nlohmann::json;
+using Keys = std::vector<std::string>;
+
+constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kPi = 3.14159265358979323846;  // Python's math.pi
+
+// ---------------------------------------------------------------------------
+// clang-format off
+// Known keys, one table per section. Keys of both DeepSpeed 0.19 and its
+// master branch, including deprecated spellings that old configs still use.
+
+// DeepSpeed keys that cannot change what is trained (logging, profiling,
+// checkpoint I/O, data loading, features a model must call itself):
+// accepted and not inspected.
+const Keys kIgnoredTopLevelKeys = {
+    "activation_checkpointing", "aio", "autotuning", "checkpoint", "comet", "comms_logger",
+    "compile", "csv_monitor", "data_types", "dataloader_drop_last", "disable_allgather",
+    "disable_python_gc", "dump_state", "flops_profiler", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "monitor_config", "pipeline",
+    "seq_parallel_communication_data_type", "tensorboard", "timers",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wandb",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"};
+
+// DeepSpeed features outside ZeRO. Each is unsupported when switched on: `true`, an object with
+// "enabled": true, or an object without an "enabled" key that is not empty.
+const Keys kFeatureTopLevelKeys = {
+    "amp", "compression_training", "curriculum_learning", "data_efficiency", "eigenvalue",
+    "elasticity", "expert_parallel", "graph_harvesting", "hybrid_engine", "nebula",
+    "prescale_gradients", "progressive_layer_drop", "quantize_training", "sparse_attention",
+    "sparse_gradients", "tensor_parallel", "torch_autocast", "weight_quantization"};
+
+const Keys kReadTopLevelKeys = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping",
+    "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
+    "steps_per_print", "wall_clock_breakdown", "zeroshard"};
+
+Keys top_level_keys() {
+  Keys keys = kReadTopLevelKeys;
+  keys.insert(keys.end(), kIgnoredTopLevelKeys.begin(), kIgnoredTopLevelKeys.end());
+  keys.insert(keys.end(), kFeatureTopLevelKeys.begin(), kFeatureTopLevelKeys.end());
+  return keys;
+}
+
+// zero_optimization keys that zeroshard maps or flags are read one by one below; these are
+// accepted whatever their value (type-checked only): they tune DeepSpeed's own buffers and
+// code paths, which zeroshard does not have.
+const Keys kZeroAcceptedFlags = {
+    "allgather_partitions", "compute_grad_norm", "contiguous_gradients",
+    "cpu_offload_use_pin_memory", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters", "load_from_fp32_weights", "log_trace_cache_warnings",
+    "memory_efficient_linear", "override_module_apply", "pipeline_loading_checkpoint",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage3_allgather_sequential",
+    "allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_use_all_reduce_for_fetch_params",
+    "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce"};
+const Keys kZeroAcceptedSizes = {
+    "allgather_bucket_size", "max_reuse_distance", "model_persistence_threshold",
+    "module_granularity_threshold", "parameter_alignment", "partition_stream_chunk_size",
+    "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_partition_stream_chunk_size", "sub_group_size"};
+const Keys kZeroReadKeys = {
+    "stage", "overlap_comm", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
+    "stage3_max_live_parameters", "max_live_parameters", "offload_optimizer", "offload_param",
+    "cpu_offload", "cpu_offload_param", "reduce_scatter", "elastic_checkpoint", "legacy_stage1",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+    "mics_hierarchical_params_gather", "zenflow",
+    "leaf_module"};  // a model-side option, accepted as written
+
+Keys zero_keys() {
+  Keys keys = kZeroReadKeys;
+  keys.insert(keys.end(), kZeroAcceptedFlags.begin(), kZeroAcceptedFlags.end());
+  keys.insert(keys.end(), kZeroAcceptedSizes.begin(), kZeroAcceptedSizes.end());
+  return keys;
+}
+
+const Keys kOffloadOptimizerKeys = {
+    "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+    "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu"};
+const Keys kOffloadParamKeys = {
+    "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"};
+const Keys kFp16Keys = {
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads", "fused_mode"};
+const Keys kBf16Keys = {
+    "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+    "bf16_optimizer_states"};
+const Keys kOptimizerKeys = {"type", "params", "legacy_fusion"};
+const Keys kSchedulerKeys = {"type", "params"};
+const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file"};
+
+// DeepSpeed's own parameters of FusedAdam/CPUAdam (bias_correction, set_grad_none) and of its
+// Adam selection (torch_adam, adam_w_mode) besides torch.optim.Adam's.
+const Keys kAdamParams = {
+    "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode",
+    "bias_correction", "set_grad_none", "max_grad_norm"};
+const Keys kSgdParams = {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
+const Keys kWarmupLrParams = {
+    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"};
+const Keys kWarmupDecayLrParams = {
+    "total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+    "last_batch_iteration"};
+const Keys kWarmupCosineLrParams = {
+    "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+    "last_batch_iteration"};
+
+const Keys kSupportedOptimizers = {"Adam", "AdamW", "SGD"};
+// DeepSpeed's optimizers, and torch.optim classes, which DeepSpeed looks up by name.
+const Keys kOtherOptimizers = {
+    "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
+    "MuSGD", "Muon", "Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
+    "RMSprop", "Rprop", "SparseAdam"};
+const Keys kSupportedSchedulers = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+const Keys kOtherSchedulers = {
+    "LRRangeTest", "OneCycle", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR",
+    "ConstantLR", "LinearLR", "ExponentialLR", "PolynomialLR", "CosineAnnealingLR",
+    "ChainedScheduler", "SequentialLR", "ReduceLROnPlateau", "CyclicLR", "OneCycleLR",
+    "CosineAnnealingWarmRestarts"};
+// clang-format on
+
+// ---------------------------------------------------------------------------
+// Helpers.
+
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+// Levenshtein distance, ignoring case (a mistyped key is as often a wrong case as a wrong
+// letter).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  const std::string x = lower(a), y = lower(b);
+  std::vector<size_t> row(y.size() + 1);
+  for (size_t j = 0; j <= y.size(); ++j) {
+    row[j] = j;
+  }
+  for (size_t i = 1; i <= x.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= y.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({above + 1, row[j - 1] + 1, diagonal + (x[i - 1] == y[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[y.size()];
+}
+
+std::string closest(const std::string& word, const Keys& candidates) {
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const auto& candidate : candidates) {
+    const size_t distance = edit_distance(word, candidate);
+    if (distance < best_distance) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+// The entry of `names` equal to `name` ignoring case, or "".
+std::string find_name(const std::string& name, const Keys& names) {
+  for (const auto& candidate : names) {
+    if (lower(candidate) == lower(name)) {
+      return candidate;
+    }
+  }
+  return "";
+}
+
+std::string quoted_list(const Keys& names) {
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + ("\"" + names[i] + "\"");
+  }
+  return text;
+}
+
+std::string child_path(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+// Sizes are often written as floats (5e8): any integral number is an integer.
+std::optional<int64_t> as_integer(const json& value) {
+  if (value.is_number_unsigned()) {
+    const auto v = value.get<uint64_t>();
+    if (v > static_cast<uint64_t>(kNoMax)) {
+      return std::nullopt;
+    }
+    return static_cast<int64_t>(v);
+  }
+  if (value.is_number_integer()) {
+    return value.get<int64_t>();
+  }
+  if (value.is_number_float()) {
+    const double v = value.get<double>();
+    const double limit = std::ldexp(1.0, 63);
+    if (std::isfinite(v) && std::floor(v) == v && v >= -limit && v < limit) {
+      return static_cast<int64_t>(v);
+    }
+  }
+  return std::nullopt;
+}
+
+std::string integer_range(int64_t min, int64_t max) {
+  if (max == kNoMax) {
+    return min == std::numeric_limits<int64_t>::min() ? "an integer"
+                                                      : "an integer >= " + std::to_string(min);
+  }
+  return "an integer " + std::to_string(min) + ".." + std::to_string(max);
+}
+
+std::string number_range(double min, double max) {
+  if (max == kInf) {
+    return min == -kInf ? "a number" : c10::str("a number >= ", min);
+  }
+  return c10::str("a number in [", min, ", ", max, "]");
+}
+
+// One JSON object of the config, with its dotted path for messages. Construction rejects
+// unknown keys; the readers reject values of the wrong type or range. A JSON null reads as an
+// absent key (DeepSpeed's Optional fields).
+class Section {
+ public:
+  Section(const json* value, std::string path, const Keys& known)
+      : value_(value), path_(std::move(path)) {
+    if (value_ == nullptr) {
+      return;
+    }
+    TORCH_CHECK_VALUE(value_->is_object(), path_, " must be an object, got ", *value_);
+    for (const auto& item : value_->items()) {
+      if (std::find(known.begin(), known.end(), item.key()) == known.end()) {
+        TORCH_CHECK_VALUE(false, "unknown key \"", item.key(), "\" in ",
+                          path_.empty() ? "the config" : path_, "; did you mean \"",
+                          closest(item.key(), known), "\"?");
+      }
+    }
+  }
+
+  std::string path(const std::string& key) const { return child_path(path_, key); }
+
+  const json* find(const std::string& key) const {
+    if (value_ == nullptr) {
+      return nullptr;
+    }
+    const auto it = value_->find(key);
+    if (it == value_->end() || it->is_null()) {
+      return nullptr;
+    }
+    // The Hugging Face Trainer writes "auto" for values it derives from its own arguments and
+    // fills them in before DeepSpeed reads the config; one left here was never filled in.
+    TORCH_CHECK_VALUE(!(it->is_string() && it->get<std::string>() == "auto"), path(key),
+                      " is \"auto\": \"auto\" values are placeholders that the Hugging Face "
+                      "integration fills in; the caller must replace it with a value");
+    return &*it;
+  }
+
+  bool has(const std::string& key) const { return find(key) != nullptr; }
+
+  bool boolean(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (v == nullptr) {
+      return fallback;
+    }
+    TORCH_CHECK_VALUE(v->is_boolean(), path(key), " must be true or false, got ", *v);
+    return v->get<bool>();
+  }
+
+  std::optional<int64_t> optional_integer(const std::string& key, int64_t min,
+                                          int64_t max = kNoMax) const {
+    const json* v = find(key);
+    if (v == nullptr) {
+      return std::nullopt;
+    }
+    const auto n = as_integer(*v);
+    TORCH_CHECK_VALUE(n && *n >= min && *n <= max, path(key), " must be ", integer_range(min, max),
+                      ", got ", *v);
+    return n;
+  }
+
+  int64_t integer(const std::string& key, int64_t fallback, int64_t min,
+                  int64_t max = kNoMax) const {
+    return optional_integer(key, min, max).value_or(fallback);
+  }
+
+  std::optional<double> optional_number(const std::string& key, double min = -kInf,
+                                        double max = kInf) const {
+    const json* v = find(key);
+    if (v == nullptr) {
+      return std::nullopt;
+    }
+    const bool ok = v->is_number() && std::isfinite(v->get<double>()) && v->get<double>() >= min &&
+                    v->get<double>() <= max;
+    TORCH_CHECK_VALUE(ok, path(key), " must be ", number_range(min, max), ", got ", *v);
+    return v->get<double>();
+  }
+
+  double number(const std::string& key, double fallback, double min = -kInf,
+                double max = kInf) const {
+    return optional_number(key, min, max).value_or(fallback);
+  }
+
+  std::string string(const std::string& key, const std::string& fallback) const {
+    const json* v = find(key);
+    if (v == nullptr) {
+      return fallback;
+    }
+    TORCH_CHECK_VALUE(v->is_string(), path(key), " must be a string, got ", *v);
+    return v->get<std::string>();
+  }
+
+  // One of `choices`, ignoring case; returns the choice's own spelling.
+  std::string choice(const std::string& key, const std::string& fallback,
+                     const Keys& choices) const {
+    const std::string value = string(key, fallback);
+    const std::string match = find_name(value, choices);
+    TORCH_CHECK_VALUE(!match.empty(), path(key), " must be ", quoted_list(choices), ", got \"",
+                      value, "\"; did you mean \"", closest(value, choices), "\"?");
+    return match;
+  }
+
+  Section section(const std::string& key, const Keys& known) const {
+    return Section(find(key), path(key), known);
+  }
+
+ private:
+  const json* value_;  // an object, or null when the section is absent
+  std::string path_;   // "" at the top level
+};
+
+// Records a setting zeroshard does not implement (see [Note: Unsupported settings]).
+void flag(DeepSpeedConfig& out, const std::string& path, const json& value,
+          const std::string& why) {
+  out.unsupported.push_back(
+      c10::str(path, " = ", value, " is not supported yet by zeroshard (", why, ")"));
+}
+
+// ---------------------------------------------------------------------------
+// Sections.
+
+std::string describe_triple(std::optional<int64_t> tbs, std::optional<int64_t> micro,
+                            std::optional<int64_t> gas, int64_t world_size) {
+  auto value = [](std::optional<int64_t> v) { return v ? std::to_string(*v) : "unset"; };
+  return c10::str("train_batch_size (", value(tbs), ") != train_micro_batch_size_per_gpu (",
+                  value(micro), ") * gradient_accumulation_steps (", value(gas), ") * world_size (",
+                  world_size, ")");
+}
+
+int64_t checked_product(int64_t a, int64_t b, int64_t c) {
+  int64_t ab = 0, abc = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(a, b, &ab) && !__builtin_mul_overflow(ab, c, &abc),
+                    "the batch size ", a, " * ", b, " * ", c, " overflows a 64-bit integer");
+  return abc;
+}
+
+// DeepSpeed's rule: any two of the triple determine the third; one alone takes
+// gradient_accumulation_steps = 1.
+void read_batch(const Section& top, int64_t world_size, DeepSpeedConfig& out) {
+  const auto tbs = top.optional_integer("train_batch_size", 1);
+  const auto micro = top.optional_integer("train_micro_batch_size_per_gpu", 1);
+  auto gas = top.optional_integer("gradient_accumulation_steps", 1);
+  TORCH_CHECK_VALUE(tbs || micro,
+                    gas ? "gradient_accumulation_steps alone does not determine the batch size: "
+                        : "the config sets no batch size: ",
+                    "need train_batch_size or train_micro_batch_size_per_gpu");
+  if (micro) {
+    if (tbs && !gas) {
+      const int64_t per_step = checked_product(*micro, world_size, 1);
+      TORCH_CHECK_VALUE(*tbs % per_step == 0, describe_triple(tbs, micro, gas, world_size), ": ",
+                        *tbs, " is not a multiple of ", *micro, " * ", world_size, " = ", per_step);
+      gas = *tbs / per_step;
+    }
+    gas = gas.value_or(1);
+    const int64_t product = checked_product(*micro, *gas, world_size);
+    TORCH_CHECK_VALUE(!tbs || *tbs == product, describe_triple(tbs, micro, gas, world_size), " = ",
+                      product);
+    out.train_micro_batch_size_per_gpu = *micro;
+    out.train_batch_size = product;
+  } else {
+    gas = gas.value_or(1);
+    const int64_t per_micro = checked_product(*gas, world_size, 1);
+    TORCH_CHECK_VALUE(*tbs % per_micro == 0, describe_triple(tbs, micro, gas, world_size), ": ",
+                      *tbs, " is not a multiple of ", *gas, " * ", world_size, " = ", per_micro);
+    out.train_micro_batch_size_per_gpu = *tbs / per_micro;
+    out.train_batch_size = *tbs;
+  }
+  out.gradient_accumulation_steps = *gas;
+}
+
+// The key of an aliased pair that the config uses, or `name` when it uses neither.
+std::string aliased(const Section& section, const std::string& name, const std::string& alias) {
+  TORCH_CHECK_VALUE(!(section.has(name) && section.has(alias)), "set either ", section.path(name),
+                    " or ", section.path(alias), " (the same setting), not both");
+  return section.has(alias) ? alias : name;
+}
+
+OffloadDevice read_offload(const Section& zero, const std::string& key, DeepSpeedConfig& out) {
+  const bool optimizer = key == "offload_optimizer";
+  const Section s = zero.section(key, optimizer ? kOffloadOptimizerKeys : kOffloadParamKeys);
+  const std::string device = s.choice("device", "none", {"none", "cpu", "nvme"});
+  s.string("nvme_path", "");
+  s.integer("buffer_count", 0, 0);
+  s.boolean("pin_memory", false);
+  if (optimizer) {
+    for (const char* flag_key :
+         {"pipeline_read", "pipeline_write", "fast_init", "super_offload", "convert_grad_on_cpu"}) {
+      s.boolean(flag_key, false);
+    }
+    s.number("ratio", 1, 0, 1);
+    s.number("cpuadam_cores_perc", 0.8, 0, 1);
+  } else {
+    s.integer("buffer_size", 0, 0);
+    s.integer("max_in_cpu", 0, 0);
+  }
+  if (device == "none") {
+    return OffloadDevice::kNone;
+  }
+  flag(out, s.path("device"), device,
+       optimizer ? "optimizer states and the optimizer step stay on the training device; "
+                   "ignoring it changes memory use, not results"
+                 : "parameter shards stay on the training device; ignoring it changes memory "
+                   "use, not results");
+  return device == "cpu" ? OffloadDevice::kCpu : OffloadDevice::kNvme;
+}
+
+void read_zero(const Section& top, DeepSpeedConfig& out) {
+  const json* raw = top.find("zero_optimization");
+  TORCH_CHECK_VALUE(raw == nullptr || !raw->is_boolean(),
+                    "zero_optimization must be an object such as {\"stage\": 1}, got ", *raw,
+                    " (DeepSpeed's deprecated boolean form)");
+  const Section zero = top.section("zero_optimization", zero_keys());
+
+  out.zero_stage = zero.integer("stage", 0, 0, 3);
+  if (out.zero_stage >= 1) {
+    out.zero.stage(out.zero_stage);
+  }
+  out.zero.overlap_comm(zero.boolean("overlap_comm", out.zero.overlap_comm()));
+  out.zero.reduce_bucket_size(zero.integer("reduce_bucket_size", out.zero.reduce_bucket_size(), 1));
+  out.zero.stage3_prefetch_bucket_size(
+      zero.integer(aliased(zero, "stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+                   out.zero.stage3_prefetch_bucket_size(), 0));
+  out.zero.stage3_param_persistence_threshold(zero.integer(
+      aliased(zero, "stage3_param_persistence_threshold", "param_persistence_threshold"),
+      out.zero.stage3_param_persistence_threshold(), 0));
+  out.zero.stage3_max_live_parameters(
+      zero.integer(aliased(zero, "stage3_max_live_parameters", "max_live_parameters"),
+                   out.zero.stage3_max_live_parameters(), 0));
+  for (const auto& key : kZeroAcceptedFlags) {
+    zero.boolean(key, false);
+  }
+  for (const auto& key : kZeroAcceptedSizes) {
+    zero.integer(key, 0, std::numeric_limits<int64_t>::min());
+  }
+
+  out.offload_optimizer = read_offload(zero, "offload_optimizer", out);
+  out.offload_param = read_offload(zero, "offload_param", out);
+  // DeepSpeed's deprecated spellings of the two offloads.
+  if (zero.boolean("cpu_offload", false) && out.offload_optimizer == OffloadDevice::kNone) {
+    out.offload_optimizer = OffloadDevice::kCpu;
+    flag(out, zero.path("cpu_offload"), true, "see offload_optimizer");
+  }
+  if (zero.boolean("cpu_offload_param", false) && out.offload_param == OffloadDevice::kNone) {
+    out.offload_param = OffloadDevice::kCpu;
+    flag(out, zero.path("cpu_offload_param"), true, "see offload_param");
+  }
+
+  if (!zero.boolean("reduce_scatter", true)) {
+    flag(out, zero.path("reduce_scatter"), false,
+         "gradients are always reduce-scattered; ignoring it changes traffic, not results");
+  }
+  for (const char* key : {"elastic_checkpoint", "legacy_stage1"}) {
+    if (zero.boolean(key, false)) {
+      flag(out, zero.path(key), true, "ignoring it keeps zeroshard's own checkpoint format");
+    }
+  }
+  const int64_t hpz = zero.integer("zero_hpz_partition_size", 1, 0);
+  if (hpz > 1) {
+    flag(out, zero.path("zero_hpz_partition_size"), hpz,
+         "ZeRO++ hierarchical partitioning; ignoring it changes traffic, not results");
+  }
+  for (const char* key : {"zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                          "zero_quantized_gradients"}) {
+    if (zero.boolean(key, false)) {
+      flag(out, zero.path(key), true,
+           "ZeRO++ quantized communication; ignoring it communicates at full precision, so "
+           "results are more precise, not identical");
+    }
+  }
+  const int64_t mics = zero.integer("mics_shard_size", -1, -1);
+  if (mics > 0) {
+    flag(out, zero.path("mics_shard_size"), mics,
+         "MiCS sharding; ignoring it shards over all ranks");
+  }
+  if (zero.boolean("mics_hierarchical_params_gather", false)) {
+    flag(out, zero.path("mics_hierarchical_params_gather"), true,
+         "MiCS hierarchical gathering; ignoring it changes traffic, not results");
+  }
+  for (const char* key : {"zeropp_loco_param", "zenflow"}) {
+    if (zero.has(key)) {
+      flag(out, zero.path(key), *zero.find(key), "ignoring it trains without it");
+    }
+  }
+}
+
+void read_precision(const Section& top, DeepSpeedConfig& out) {
+  const Section fp16 = top.section("fp16", kFp16Keys);
+  LossScaleConfig& scale = out.fp16;
+  scale.enabled = fp16.boolean("enabled", false);
+  scale.auto_cast = fp16.boolean("auto_cast", false);
+  scale.loss_scale = fp16.number("loss_scale", 0, 0);
+  scale.initial_scale_power = fp16.integer("initial_scale_power", 16, 0, 126);
+  scale.loss_scale_window = fp16.integer("loss_scale_window", 1000, 1);
+  scale.hysteresis = fp16.integer("hysteresis", 2, 1);
+  scale.consecutive_hysteresis = fp16.boolean("consecutive_hysteresis", false);
+  scale.min_loss_scale = fp16.number("min_loss_scale", 1, 0);
+  TORCH_CHECK_VALUE(scale.min_loss_scale > 0, fp16.path("min_loss_scale"),
+                    " must be a number > 0, got 0");
+  fp16.boolean("fused_mode", true);
+  if (fp16.boolean("fp16_master_weights_and_grads", false)) {
+    flag(out, fp16.path("fp16_master_weights_and_grads"), true,
+         "master weights stay in fp32; results are more precise, not identical");
+  }
+
+  TORCH_CHECK_VALUE(!(top.has("bf16") && top.has("bfloat16")),
+                    "set either bf16 or bfloat16 (its old name), not both");
+  const std::string bf16_key = top.has("bfloat16") ? "bfloat16" : "bf16";
+  const Section bf16 = top.section(bf16_key, kBf16Keys);
+  out.bf16.enabled = bf16.boolean("enabled", false);
+  out.bf16.immediate_grad_update = bf16.boolean("immediate_grad_update", false);
+  out.bf16.check_grad_overflow = bf16.boolean("check_grad_overflow", false);
+  for (const char* key : {"bf16_master_weights_and_grads", "bf16_optimizer_states"}) {
+    if (bf16.boolean(key, false)) {
+      flag(out, bf16.path(key), true,
+           "master weights and optimizer states stay in fp32; results are more precise, not "
+           "identical");
+    }
+  }
+  TORCH_CHECK_VALUE(!(out.fp16.enabled && out.bf16.enabled), "fp16.enabled and ", bf16_key,
+                    ".enabled are both true; enable at most one");
+}
+
+void read_optimizer(const Section& top, DeepSpeedConfig& out) {
+  if (!top.has("optimizer")) {
+    return;
+  }
+  const Section optimizer = top.section("optimizer", kOptimizerKeys);
+  optimizer.boolean("legacy_fusion", false);
+  TORCH_CHECK_VALUE(optimizer.has("type"), "optimizer.type is missing; expected ",
+                    quoted_list(kSupportedOptimizers));
+  const std::string written = optimizer.string("type", "");
+  const std::string type = find_name(written, kSupportedOptimizers);
+  if (type.empty()) {
+    const std::string other = find_name(written, kOtherOptimizers);
+    TORCH_CHECK_VALUE(other.empty(), "optimizer.type = \"", written,
+                      "\" is not supported yet by zeroshard; it runs ",
+                      quoted_list(kSupportedOptimizers));
+    Keys all = kSupportedOptimizers;
+    all.insert(all.end(), kOtherOptimizers.begin(), kOtherOptimizers.end());
+    TORCH_CHECK_VALUE(false, "optimizer.type = \"", written,
+                      "\" is not an optimizer DeepSpeed knows; did you mean \"",
+                      closest(written, all), "\"?");
+  }
+
+  const bool sgd = type == "SGD";
+  const Section params = optimizer.section("params", sgd ? kSgdParams : kAdamParams);
+  json& resolved = out.optimizer_params;
+  resolved = json::object();
+  resolved["lr"] = params.number("lr", 1e-3, 0);
+  resolved["weight_decay"] = params.number("weight_decay", 0, 0);
+  if (sgd) {
+    out.optimizer_type = "SGD";
+    resolved["momentum"] = params.number("momentum", 0, 0);
+    resolved["dampening"] = params.number("dampening", 0);
+    resolved["nesterov"] = params.boolean("nesterov", false);
+    TORCH_CHECK_VALUE(
+        !resolved["nesterov"].get<bool>() ||
+            (resolved["momentum"].get<double>() > 0 && resolved["dampening"].get<double>() == 0),
+        "optimizer.params.nesterov needs momentum > 0 and dampening 0 (as "
+        "torch.optim.SGD), got momentum ",
+        resolved["momentum"], " and dampening ", resolved["dampening"]);
+    return;
+  }
+
+  TORCH_CHECK_VALUE(!params.has("max_grad_norm"),
+                    "optimizer.params.max_grad_norm is not an optimizer parameter in DeepSpeed; "
+                    "use the top-level \"gradient_clipping\" instead");
+  // DeepSpeed runs "Adam" with decoupled weight decay too unless adam_w_mode is false; see
+  // _configure_basic_optimizer in deepspeed/runtime/engine.py.
+  const bool torch_adam = params.boolean("torch_adam", false);
+  const bool adam_w_mode = params.boolean("adam_w_mode", true);
+  const bool adamw = type == "AdamW" || adam_w_mode;
+  out.optimizer_type = adamw ? "AdamW" : "Adam";
+  // torch_adam hands the params to torch.optim.AdamW, whose weight_decay default is 0.01;
+  // DeepSpeed's FusedAdam and CPUAdam default to 0.
+  if (torch_adam && adamw && !params.has("weight_decay")) {
+    resolved["weight_decay"] = 0.01;
+  }
+  resolved["eps"] = params.number("eps", 1e-8, 0);
+  resolved["amsgrad"] = params.boolean("amsgrad", false);
+  params.boolean("set_grad_none", true);
+  TORCH_CHECK_VALUE(params.boolean("bias_correction", true),
+                    "optimizer.params.bias_correction = false is not supported by zeroshard "
+                    "(its Adam always corrects bias, as torch.optim.Adam does)");
+  resolved["betas"] = json::array({0.9, 0.999});
+  if (const json* betas = params.find("betas")) {
+    bool ok = betas->is_array() && betas->size() == 2;
+    for (size_t i = 0; ok && i < 2; ++i) {
+      const json& beta = (*betas)[i];
+      ok = beta.is_number() && beta.get<double>() >= 0 && beta.get<double>() < 1;
+    }
+    TORCH_CHECK_VALUE(ok, params.path("betas"), " must be a list of two numbers in [0, 1), got ",
+                      *betas);
+    resolved["betas"] = json::array({(*betas)[0].get<double>(), (*betas)[1].get<double>()});
+  }
+}
+
+void read_scheduler(const Section& top, DeepSpeedConfig& out) {
+  if (!top.has("scheduler")) {
+    return;
+  }
+  const Section scheduler = top.section("scheduler", kSchedulerKeys);
+  TORCH_CHECK_VALUE(scheduler.has("type"), "scheduler.type is missing; expected ",
+                    quoted_list(kSupportedSchedulers));
+  const std::string written = scheduler.string("type", "");
+  const std::string type = find_name(written, kSupportedSchedulers);
+  if (type.empty()) {
+    TORCH_CHECK_VALUE(find_name(written, kOtherSchedulers).empty(), "scheduler.type = \"", written,
+                      "\" is not supported yet by zeroshard; it runs ",
+                      quoted_list(kSupportedSchedulers));
+    Keys all = kSupportedSchedulers;
+    all.insert(all.end(), kOtherSchedulers.begin(), kOtherSchedulers.end());
+    TORCH_CHECK_VALUE(false, "scheduler.type = \"", written,
+                      "\" is not a scheduler DeepSpeed knows; did you mean \"",
+                      closest(written, all), "\"?");
+  }
+
+  LrScheduleConfig& s = out.scheduler;
+  s.type = type == "WarmupLR"        ? LrScheduleType::kWarmupLR
+           : type == "WarmupDecayLR" ? LrScheduleType::kWarmupDecayLR
+                                     : LrScheduleType::kWarmupCosineLR;
+  const Keys& known = s.type == LrScheduleType::kWarmupLR        ? kWarmupLrParams
+                      : s.type == LrScheduleType::kWarmupDecayLR ? kWarmupDecayLrParams
+                                                                 : kWarmupCosineLrParams;
+  const Section params = scheduler.section("params", known);
+  if (const json* written_params = scheduler.find("params")) {
+    out.scheduler_params = *written_params;
+  }
+  const auto last =
+      params.optional_integer("last_batch_iteration", std::numeric_limits<int64_t>::min());
+  TORCH_CHECK_VALUE(!last || *last == -1, params.path("last_batch_iteration"),
+                    " must be -1 (a fresh start), got ", *last,
+                    "; a resumed run restores the iteration from its checkpoint");
+  s.warmup_type = params.choice("warmup_type", "log", {"log", "linear"}) == "log"
+                      ? WarmupType::kLog
+                      : WarmupType::kLinear;
+  s.warmup_num_steps = params.integer("warmup_num_steps", 1000, 1);
+  if (s.type != LrScheduleType::kWarmupLR) {
+    TORCH_CHECK_VALUE(params.has("total_num_steps"), params.path("total_num_steps"),
+                      " is required by ", type);
+    s.total_num_steps = params.integer("total_num_steps", 0, 1);
+  }
+  if (s.type == LrScheduleType::kWarmupCosineLR) {
+    s.warmup_min_ratio = params.number("warmup_min_ratio", 0, 0);
+    s.cos_min_ratio = params.number("cos_min_ratio", 0.0001, 0);
+    return;
+  }
+  s.warmup_min_lr = params.number("warmup_min_lr", 0, 0);
+  s.warmup_max_lr = params.optional_number("warmup_max_lr", 0);
+  if (s.type == LrScheduleType::kWarmupDecayLR && !s.warmup_max_lr) {
+    s.warmup_max_lr = 0.001;
+  }
+}
+
+void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
+  for (const auto& key : kFeatureTopLevelKeys) {
+    const json* value = top.find(key);
+    if (value == nullptr) {
+      continue;
+    }
+    bool enabled = false;
+    if (value->is_boolean()) {
+      enabled = value->get<bool>();
+    } else if (value->is_object()) {
+      const auto it = value->find("enabled");
+      enabled = it == value->end() ? !value->empty() : (it->is_boolean() && it->get<bool>());
+    } else {
+      enabled = true;
+    }
+    if (enabled) {
+      flag(out, key, *value, "ignoring it trains without it");
+    }
+  }
+
+  const double predivide = top.number("gradient_predivide_factor", 1, 0);
+  if (predivide != 1) {
+    flag(out, "gradient_predivide_factor", *top.find("gradient_predivide_factor"),
+         "gradients are divided by the world size after the reduction; ignoring it changes "
+         "rounding only");
+  }
+  if (top.choice("gradient_allreduce_op", "mean", {"mean", "sum"}) == "sum") {
+    flag(out, "gradient_allreduce_op", "sum",
+         "gradients are averaged over ranks; ignoring it makes them world_size times smaller");
+  }
+  if (top.has("communication_data_type")) {
+    const std::string dtype =
+        top.choice("communication_data_type", "fp32", {"fp32", "fp16", "bf16"});
+    if (dtype != "fp32" || out.fp16.enabled || out.bf16.enabled) {
+      flag(out, "communication_data_type", dtype, "gradients are reduced in the parameters' dtype");
+    }
+  }
+}
+
+}  // namespace
+
+const char* lr_schedule_name(LrScheduleType type) {
+  switch (type) {
+    case LrScheduleType::kNone:
+      return "none";
+    case LrScheduleType::kWarmupLR:
+      return "WarmupLR";
+    case LrScheduleType::kWarmupDecayLR:
+      return "WarmupDecayLR";
+    case LrScheduleType::kWarmupCosineLR:
+      return "WarmupCosineLR";
+  }
+  return "unknown";
+}
+
+DeepSpeedConfig parse_deepspeed_config(const nlohmann::json& config, int64_t world_size) {
+  TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
+  TORCH_CHECK_VALUE(config.is_object(), "a DeepSpeed config must be a JSON object, got ",
+                    config.type_name());
+  const Section top(&config, "", top_level_keys());
+  DeepSpeedConfig out;
+  out.world_size = world_size;
+  read_batch(top, world_size, out);
+  read_zero(top, out);
+  read_precision(top, out);
+  read_optimizer(top, out);
+  read_scheduler(top, out);
+  read_top_level_features(top, out);
+
+  // DeepSpeed 0.19 clips at 1.0 unless told otherwise; older releases did not clip.
+  out.gradient_clipping = top.number("gradient_clipping", 1.0, 0);
+  out.zero.max_norm(out.gradient_clipping);
+  out.steps_per_print = top.integer("steps_per_print", 10, 1);
+  out.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
+
+  const Section zeroshard = top.section("zeroshard", kZeroshardKeys);
+  out.ignore_unsupported = zeroshard.boolean("ignore_unsupported", false);
+  out.telemetry_file = zeroshard.string("telemetry_file", "");
+  return out;
+}
+
+DeepSpeedConfig load_deepspeed_config(const std::string& path, int64_t world_size) {
+  std::ifstream file(path);
+  TORCH_CHECK_VALUE(file.is_open(), "cannot read the DeepSpeed config \"", path,
+                    "\": ", std::strerror(errno));
+  std::stringstream text;
+  text << file.rdbuf();
+
+  // nlohmann keeps the last of duplicate keys; DeepSpeed's loader rejects them, and a silently
+  // dropped "stage" would train something else.
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  const json::parser_callback_t reject_duplicates = [&](int /*depth*/, json::parse_event_t event,
+                                                        json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && !open_objects.empty() &&
+               !open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json config;
+  try {
+    config = json::parse(text.str(), reject_duplicates);
+  } catch (const json::parse_error& e) {
+    TORCH_CHECK_VALUE(false, "the DeepSpeed config \"", path, "\" is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK_VALUE(duplicate.empty(), "the DeepSpeed config \"", path, "\" has the key \"",
+                    duplicate, "\" twice in one object");
+  try {
+    return parse_deepspeed_config(config, world_size);
+  } catch (const c10::ValueError& e) {
+    C10_THROW_ERROR(ValueError, c10::str("in the DeepSpeed config \"", path,
+                                         "\": ", e.what_without_backtrace()));
+  }
+}
+
+void check_supported(const DeepSpeedConfig& config) {
+  if (config.unsupported.empty() || config.ignore_unsupported) {
+    return;
+  }
+  std::string list;
+  for (const auto& line : config.unsupported) {
+    list += "\n  " + line;
+  }
+  TORCH_CHECK_VALUE(false,
+                    "the DeepSpeed config asks for settings zeroshard does not support yet:", list,
+                    "\nRemove them, or add \"zeroshard\": {\"ignore_unsupported\": true} to the "
+                    "config to train as if they were absent.");
+}
+
+// Transcribed from WarmupLR, WarmupDecayLR and WarmupCosineLR in DeepSpeed's
+// deepspeed/runtime/lr_schedules.py (0.19), operation for operation so that the values match
+// to the last bit where the arithmetic allows.
+double scheduled_lr(const DeepSpeedConfig& config, int64_t step, double base_lr) {
+  const LrScheduleConfig& s = config.scheduler;
+  if (s.type == LrScheduleType::kNone) {
+    return base_lr;
+  }
+  const int64_t warmup = std::max<int64_t>(2, s.warmup_num_steps);
+  const double inverse_log_warmup = 1.0 / std::log(static_cast<double>(warmup));
+  // The warm-up fraction: 0 at step 0, approaching 1 at step `warmup`.
+  auto warmup_gamma = [&] {
+    return s.warmup_type == WarmupType::kLog
+               ? inverse_log_warmup * std::log(static_cast<double>(step + 1))
+               : static_cast<double>(step) / static_cast<double>(warmup);
+  };
+
+  if (s.type == LrScheduleType::kWarmupCosineLR) {
+    if (step < 0) {
+      return 0.0;  // DeepSpeed's value before the first step()
+    }
+    double ratio = 0;
+    if (step < warmup) {
+      ratio = s.warmup_min_ratio + warmup_gamma() * (1.0 - s.warmup_min_ratio);
+    } else {
+      const double real_last_step = static_cast<double>(step - warmup + 1);
+      const double real_total_steps =
+          static_cast<double>(std::max<int64_t>(1, s.total_num_steps - warmup));
+      // Clamped (DeepSpeed 0.19): past total_num_steps the ratio stays at cos_min_ratio.
+      const double progress = std::min(1.0, real_last_step / real_total_steps);
+      ratio = (1 + std::cos(kPi * progress)) / 2;
+      ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ratio);
+    }
+    return base_lr * ratio;
+  }
+
+  const double min_lr = s.warmup_min_lr;
+  const double delta_lr = s.warmup_max_lr.value_or(base_lr) - min_lr;
+  if (step < 0) {
+    return min_lr;
+  }
+  double gamma = 1.0;
+  if (step < warmup) {
+    gamma = warmup_gamma();
+  } else if (s.type == LrScheduleType::kWarmupDecayLR) {
+    gamma = std::max(0.0, static_cast<double>(s.total_num_steps - step) /
+                              std::max(1.0, static_cast<double>(s.total_num_steps - warmup)));
+  }
+  return min_lr + delta_lr * gamma;
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
+    const DeepSpeedConfig& config) {
+  TORCH_CHECK_VALUE(!config.optimizer_type.empty(),
+                    "the DeepSpeed config has no \"optimizer\" section; build the optimizer "
+                    "options in the program instead");
+  const json& p = config.optimizer_params;
+  const double lr = p.at("lr").get<double>();
+  if (config.optimizer_type == "SGD") {
+    auto options = std::make_unique<torch::optim::SGDOptions>(lr);
+    options->momentum(p.at("momentum").get<double>())
+        .dampening(p.at("dampening").get<double>())
+        .weight_decay(p.at("weight_decay").get<double>())
+        .nesterov(p.at("nesterov").get<bool>());
+    return options;
+  }
+  const auto betas =
+      std::make_tuple(p.at("betas")[0].get<double>(), p.at("betas")[1].get<double>());
+  if (config.optimizer_type == "AdamW") {
+    auto options = std::make_unique<torch::optim::AdamWOptions>(lr);
+    options->betas(betas)
+        .eps(p.at("eps").get<double>())
+        .weight_decay(p.at("weight_decay").get<double>())
+        .amsgrad(p.at("amsgrad").get<bool>());
+    return options;
+  }
+  TORCH_INTERNAL_ASSERT(config.optimizer_type == "Adam", "unexpected optimizer_type ",
+                        config.optimizer_type);
+  auto options = std::make_unique<torch::optim::AdamOptions>(lr);
+  options->betas(betas)
+      .eps(p.at("eps").get<double>())
+      .weight_decay(p.at("weight_decay").get<double>())
+      .amsgrad(p.at("amsgrad").get<bool>());
+  return options;
+}
+
+}  // namespace zeroshard
