@@ -22,6 +22,8 @@ def core_sources() -> list[str]:
         "csrc/grads/*.cpp",
         "csrc/params/*.cpp",
         "csrc/config/*.cpp",
+        "csrc/precision/*.cpp",
+        "csrc/engine/*.cpp",
         "csrc/estimator/*.cpp",
         "csrc/optimizer/*.cpp",
         "csrc/bindings/*.cpp",

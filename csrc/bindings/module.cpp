@@ -12,8 +12,9 @@
 namespace py = pybind11;
 
 namespace zeroshard {
-// Defined in module_hooks.cpp.
+// Defined in module_hooks.cpp and module_engine.cpp.
 void bind_module_hooks(py::module_& m);
+void bind_engine(py::module_& m);
 }  // namespace zeroshard
 
 // [Note: GIL and collectives]
@@ -113,6 +114,10 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.stage3_max_live_parameters(value.cast<int64_t>());
     } else if (key == "check_collective_order") {
       options.check_collective_order(value.cast<bool>());
+    } else if (key == "skip_nonfinite_steps") {
+      options.skip_nonfinite_steps(value.cast<bool>());
+    } else if (key == "reduce_in_fp32") {
+      options.reduce_in_fp32(value.cast<bool>());
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
@@ -155,6 +160,7 @@ py::dict comm_stats_dict(const CommStats& stats) {
   out["broadcast_bytes"] = stats.broadcast_bytes;
   out["total_bytes"] = stats.total_bytes();
   out["calls"] = stats.calls;
+  out["wait_seconds"] = stats.wait_seconds;
   return out;
 }
 
@@ -280,6 +286,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ZeroOptimizer> optimizer_class(m, "ZeroOptimizer");
   zeroshard::bind_module_hooks(m);
+  zeroshard::bind_engine(m);
   optimizer_class
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
@@ -347,6 +354,9 @@ PYBIND11_MODULE(_C, m) {
       .def("full_parameters", &ZeroOptimizer::full_parameters, py::arg("rank") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("num_units", &ZeroOptimizer::num_units)
+      .def("last_step_skipped", &ZeroOptimizer::last_step_skipped)
+      .def("skipped_steps", &ZeroOptimizer::skipped_steps)
+      .def("set_loss_scale", &ZeroOptimizer::set_loss_scale, py::arg("scale"))
       .def("pin_parameters", &ZeroOptimizer::pin_parameters, py::arg("params"),
            py::call_guard<py::gil_scoped_release>())
       .def("unpin_parameters", &ZeroOptimizer::unpin_parameters, py::arg("params"),

@@ -3,6 +3,8 @@
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
+
 namespace zeroshard {
 namespace {
 
@@ -32,8 +34,13 @@ void PendingCollective::wait() {
   if (!work_) {
     return;
   }
+  const auto start = std::chrono::steady_clock::now();
   work_->wait();
   work_.reset();
+  if (stats_ != nullptr) {
+    stats_->wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   if (log_ != nullptr) {
     log_->push_back(CommEvent{"wait", kind_, bytes_, tag_});
   }
@@ -68,7 +75,8 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
   if (log_enabled_) {
     log_.push_back(CommEvent{"launch", kind, bytes, tag});
   }
-  return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr);
+  return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr,
+                           &stats_);
 }
 
 void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,

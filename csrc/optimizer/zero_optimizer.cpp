@@ -2,11 +2,13 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <cmath>
 #include <unordered_map>
 
 namespace zeroshard {
@@ -137,8 +139,12 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
   }
   shards_.resize(param_groups_.size());
+  std::vector<at::TensorOptions> grad_options;
   for (size_t g = 0; g < shards_.size(); ++g) {
     shards_[g].param_options = param_options[g];
+    shards_[g].grad_options =
+        options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
+    grad_options.push_back(shards_[g].grad_options);
   }
   build_group_shards();
   GradientBuckets::BucketComplete on_complete;
@@ -146,7 +152,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     on_complete = [this](size_t g, size_t b) { gatherer_->bucket_complete(g, b); };
   }
   buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, *comm_, param_options,
+      *layout_, *comm_, grad_options,
       [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
@@ -266,12 +272,12 @@ void ZeroOptimizer::validate_parameters() const {
       if (!device) {
         device = param.device();
       }
-      TORCH_CHECK_VALUE(!param.is_meta() || options_.stage() == 3, "parameter ", i, " of group ", g,
-                        " is on the meta device; only stage 3 materializes meta parameters "
-                        "(partitioned construction). Materialize the model or use stage=3");
       TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g, " is on ",
                         param.device(), " but the first parameter is on ", *device,
                         "; all parameters must be on one device");
+      TORCH_CHECK_VALUE(!param.is_meta() || options_.stage() == 3, "parameter ", i, " of group ", g,
+                        " is on the meta device; only stage 3 materializes meta parameters "
+                        "(partitioned construction). Materialize the model or use stage=3");
       auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), std::make_pair(g, i));
       TORCH_CHECK_VALUE(inserted, "some parameters appear more than once: parameter ", i,
                         " of group ", g, " is also parameter ", it->second.second, " of group ",
@@ -337,7 +343,7 @@ void ZeroOptimizer::build_group_shards() {
     if (options_.stage() >= 2) {
       // Stage 2 accumulates into the shard across backward passes; stage 1
       // allocates it only while a step runs.
-      shard.grad_shard = at::zeros({layout.shard_numel()}, param_options);
+      shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
     }
     ensure_state_tensors(g);
   }
@@ -354,7 +360,7 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   GroupShards& shard = shards_[g];
   const bool meta = params[0].is_meta();
   shard.param_shard = at::zeros({layout.shard_numel()}, shard.param_options);
-  shard.grad_shard = at::zeros({layout.shard_numel()}, shard.param_options);
+  shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     const Bucket& bucket = layout.buckets()[b];
@@ -508,12 +514,22 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     ensure_state_tensors(g);
   }
   finish_gradient_reduction();
-  const auto has_grad = global_grad_presence();
-  if (options_.max_norm() > 0) {
-    clip_grad_norm(options_.max_norm());
+  bool overflow = false;
+  const auto has_grad = global_grad_presence(&overflow);
+  last_step_skipped_ = overflow;
+  if (overflow) {
+    // Every rank saw the flag: nothing is updated anywhere.
+    skipped_steps_ += 1;
+    if (gatherer_) {
+      gatherer_->after_step();
+    }
+  } else {
+    if (options_.max_norm() > 0) {
+      clip_grad_norm(options_.max_norm());
+    }
+    update_shards(has_grad);
+    gather_parameters();
   }
-  update_shards(has_grad);
-  gather_parameters();
   comm_->set_step(comm_->step() + 1);
   // The step consumes the gradients.
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
@@ -597,8 +613,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     // complete, and launch, one after another.
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
-      shards_[g].grad_shard =
-          at::zeros({layout_->group(g).shard_numel()}, shards_[g].param_options);
+      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -628,8 +643,8 @@ void ZeroOptimizer::finish_gradient_reduction() {
   }
   buckets_->wait_all();
   for (auto& shard : shards_) {
-    // Gloo has no AVG: sum, then divide.
-    shard.grad_shard.div_(comm_->world_size());
+    // Gloo has no AVG: sum, then divide; and undo the loss scale.
+    shard.grad_shard.div_(static_cast<double>(comm_->world_size()) * loss_scale_);
   }
   gradients_reduced_ = true;
 }
@@ -669,12 +684,26 @@ int64_t ZeroOptimizer::gradient_bytes() const {
   return bytes;
 }
 
-std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
+void ZeroOptimizer::set_loss_scale(double scale) {
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "loss scale must be finite and > 0, got ",
+                    scale);
+  loss_scale_ = scale;
+}
+
+std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflow) {
   int64_t total = 0;
   for (const auto& group : param_groups_) {
     total += static_cast<int64_t>(group.params().size());
   }
-  at::Tensor flags = at::zeros({total}, at::kInt);
+  // The last flag: this rank's reduced gradients hold inf/NaN.
+  at::Tensor flags = at::zeros({total + 1}, at::kInt);
+  if (options_.skip_nonfinite_steps()) {
+    bool finite = true;
+    for (const auto& shard : shards_) {
+      finite = finite && at::isfinite(shard.grad_shard).all().item<bool>();
+    }
+    flags[total] = finite ? 0 : 1;
+  }
   auto* data = flags.data_ptr<int32_t>();
   int64_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -686,6 +715,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence() {
   comm_->all_reduce_max(flags, "grad_presence");
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
+  *overflow = data[total] != 0;
   std::vector<std::vector<bool>> has_grad(param_groups_.size());
   index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {

@@ -4,8 +4,9 @@ The work happens in C++ (``zeroshard._C``); this package is a thin,
 idiomatic layer over it.
 """
 
+from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, recommend
 from zeroshard.optimizer import ZeroOptimizer
 
-__all__ = ["ZeroOptimizer", "estimate", "recommend"]
+__all__ = ["Engine", "ZeroOptimizer", "estimate", "initialize", "recommend"]
 __version__ = "0.1.0"

@@ -65,8 +65,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             forward and backward and freed right after (needs ``module=``).
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
-        module: stage 3: the model whose forward runs the parameters (hooks are
-            registered on its submodules).
+        module: the model. Stage 3 needs it (hooks are registered on its
+            submodules); at every stage it names ``full_state_dict()``'s keys.
         unit_classes: stage 3: module classes gathered as one unit (e.g. a
             transformer block). Other modules owning parameters directly are
             units of their own parameters.
@@ -80,6 +80,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage3_max_live_parameters: gathered elements beyond which prefetch stops.
         check_collective_order: stage 3: ranks compare every collective before
             issuing it, so diverging control flow raises instead of hanging.
+        skip_nonfinite_steps: a step whose gradients hold inf/NaN on any rank
+            is skipped on every rank (see ``last_step_skipped()``).
+        reduce_in_fp32: 16-bit parameters: reduce gradients in fp32.
         reduce_bucket_size: elements per gradient bucket (DeepSpeed's key; the
             default 5e6 lets stage 2 overlap backward, where DeepSpeed's 5e8
             makes most models a single bucket).
@@ -123,6 +126,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage3_param_persistence_threshold: int = 100_000,
         stage3_max_live_parameters: int = 1_000_000_000,
         check_collective_order: bool = True,
+        skip_nonfinite_steps: bool = False,
+        reduce_in_fp32: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -155,15 +160,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "stage 3 needs module=<the model>: its parameters are gathered by hooks on "
                 "the model's submodules"
             )
-        if stage != 3 and (module is not None or unit_classes or param_init_fn is not None):
+        if stage != 3 and (unit_classes or param_init_fn is not None):
             raise ValueError(
-                f"module=, unit_classes= and param_init_fn= are stage 3 options; stage is {stage}"
+                f"unit_classes= and param_init_fn= are stage 3 options; stage is {stage}"
             )
         self._kind = kind
         self._stage = stage
         self._process_group = process_group
         self._module = module
-        units = plan_units(module, unit_classes) if module is not None else []
+        units = plan_units(module, unit_classes) if stage == 3 and module is not None else []
         self._units = units
         zero_options = {
             "stage": int(stage),
@@ -177,6 +182,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "stage3_param_persistence_threshold": int(stage3_param_persistence_threshold),
             "stage3_max_live_parameters": int(stage3_max_live_parameters),
             "check_collective_order": bool(check_collective_order),
+            "skip_nonfinite_steps": bool(skip_nonfinite_steps),
+            "reduce_in_fp32": bool(reduce_in_fp32),
             "materialize_device": str(torch.device(materialize_device)),
         }
         self._impl = _C.ZeroOptimizer(
@@ -337,6 +344,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def units(self) -> list[str]:
         """Stage 3: the names of the gathering units, in order."""
         return [unit.name for unit in self._units]
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` found non-finite gradients and changed nothing."""
+        return bool(self._impl.last_step_skipped())
 
     # Measuring and introspection -------------------------------------------------
 

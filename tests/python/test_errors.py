@@ -56,6 +56,14 @@ def _unsupported_stage() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], stage=4)
 
 
+def _meta_parameters_below_stage3() -> None:
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3, device="meta"))], stage=2)
+
+
+def _stage3_without_module() -> None:
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], stage=3)
+
+
 def _unknown_optimizer() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], optimizer="adamax")
 
@@ -118,6 +126,12 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str | dict[int, str]]] = {
     "integer_parameter": (_integer_parameter, "ValueError", "floating-point parameters"),
     "sparse_gradient": (_sparse_gradient, "ValueError", "sparse gradient"),
     "unsupported_stage": (_unsupported_stage, "ValueError", "unsupported ZeRO stage 4"),
+    "meta_below_stage3": (
+        _meta_parameters_below_stage3,
+        "ValueError",
+        "only stage 3 materializes meta parameters",
+    ),
+    "stage3_without_module": (_stage3_without_module, "ValueError", "stage 3 needs module="),
     "unknown_optimizer": (_unknown_optimizer, "ValueError", "unknown optimizer 'adamax'"),
     "unknown_hyperparameter": (_unknown_hyperparameter, "TypeError", "['betas']"),
     "negative_lr": (_negative_learning_rate, "ValueError", "Invalid learning rate: -0.001"),

@@ -99,23 +99,31 @@ class _Mlp(nn.Module):
 
 def _measure(rank: int, world_size: int) -> list[dict[str, Any]]:
     out = []
-    for stage, dtype in ((1, torch.float32), (2, torch.float32), (2, torch.bfloat16)):
+    for stage, dtype in (
+        (1, torch.float32),
+        (2, torch.float32),
+        (2, torch.bfloat16),
+        (3, torch.float32),
+        (3, torch.bfloat16),
+    ):
         torch.manual_seed(0)
         model = _Mlp(dtype)
-        optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage)
+        stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+        optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, **stage3)
         x = torch.randn(8, 128, dtype=dtype)
         for _ in range(2):
             optimizer.zero_grad()
             model(x).float().pow(2).mean().backward()
             measured_grads = optimizer.gradient_bytes()
             optimizer.step()
-        params = optimizer._impl.flat_parameters(0)
+        # Parameter storage between steps: the whole flat buffer at stages 1-2,
+        # the shard (nothing stays gathered) at stage 3.
         out.append(
             {
                 "stage": stage,
                 "precision": "fp32" if dtype == torch.float32 else "mixed16",
                 "num_params": sum(p.numel() for p in model.parameters()),
-                "measured": params.numel() * params.element_size()
+                "measured": optimizer.parameter_bytes()
                 + measured_grads
                 + optimizer.optimizer_state_bytes(),
             }

@@ -29,6 +29,8 @@ struct CommStats {
   int64_t all_gather_bytes = 0;
   int64_t broadcast_bytes = 0;
   int64_t calls = 0;
+  // Time the training thread spent blocked waiting for collectives.
+  double wait_seconds = 0;
   int64_t total_bytes() const {
     return all_reduce_bytes + reduce_scatter_bytes + all_gather_bytes + broadcast_bytes;
   }
@@ -47,8 +49,13 @@ class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
-                    std::string tag, std::vector<CommEvent>* log)
-      : work_(std::move(work)), kind_(kind), bytes_(bytes), tag_(std::move(tag)), log_(log) {}
+                    std::string tag, std::vector<CommEvent>* log, CommStats* stats)
+      : work_(std::move(work)),
+        kind_(kind),
+        bytes_(bytes),
+        tag_(std::move(tag)),
+        log_(log),
+        stats_(stats) {}
   void wait();
   bool pending() const { return static_cast<bool>(work_); }
 
@@ -58,6 +65,7 @@ class PendingCollective {
   int64_t bytes_ = 0;
   std::string tag_;
   std::vector<CommEvent>* log_ = nullptr;
+  CommStats* stats_ = nullptr;  // the Communicator's, which outlives its work
 };
 
 class Communicator {

@@ -79,6 +79,15 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // unsharded model, and returns the total norm before clipping.
   at::Tensor clip_grad_norm(double max_norm);
 
+  // The factor the loss was multiplied by (fp16 loss scaling): step() and
+  // clip_grad_norm divide the reduced gradients by it. 1 by default.
+  void set_loss_scale(double scale);
+  double loss_scale() const { return loss_scale_; }
+  // Whether the last step() found non-finite gradients (skip_nonfinite_steps)
+  // and left every parameter and state unchanged; and how many did so far.
+  bool last_step_skipped() const { return last_step_skipped_; }
+  int64_t skipped_steps() const { return skipped_steps_; }
+
   // While false (stage 2), backward passes leave gradients accumulating in
   // .grad with no communication, as DDP's no_sync(); the next backward with
   // sync on (or step()) reduces them.
@@ -166,6 +175,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Per group, this rank's shards and what it needs to use them.
   struct GroupShards {
     at::TensorOptions param_options;  // dtype and device of the parameters
+    at::TensorOptions grad_options;   // of buckets and the gradient shard (reduce_in_fp32)
     at::Tensor flat_param;            // stages 1-2: 1D, layout.flat_numel(), parameter dtype
     // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
     // what the all-gathers send. For fp32 parameters it is also the master.
@@ -202,8 +212,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   at::Tensor master_shard(size_t group) const;
   void set_master_shard(size_t group, const at::Tensor& values);
   at::TensorOptions fp32_options() const;
-  // One all-reduce: 1 where any rank had a gradient for the parameter.
-  std::vector<std::vector<bool>> global_grad_presence();
+  // One all-reduce: 1 where any rank had a gradient for the parameter; with
+  // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
+  // inf/NaN (the same collective).
+  std::vector<std::vector<bool>> global_grad_presence(bool* overflow);
   // Brings every rank's gradient shard to the averaged gradient (idempotent
   // until the next step): stage 1 reduces .grad now, stage 2 flushes what the
   // hooks left.
@@ -231,6 +243,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::recursive_mutex gradient_mutex_;
   c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
   bool gradients_reduced_ = false;               // shards hold the averaged gradient
+  double loss_scale_ = 1.0;
+  bool last_step_skipped_ = false;
+  int64_t skipped_steps_ = 0;
   bool gradient_sync_ = true;
 };
 

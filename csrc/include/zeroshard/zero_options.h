@@ -34,6 +34,13 @@ struct ZeroOptions {
   // same results as torch.optim.AdamW(fused=True), several times faster on CPU
   // than the default single-tensor path (benchmarks/results/cpu_optimizer.md).
   TORCH_ARG(bool, fused) = false;
+  // 16-bit parameters: bucket and reduce gradients in fp32 (DeepSpeed's
+  // communication_data_type fp32) instead of the parameters' dtype.
+  TORCH_ARG(bool, reduce_in_fp32) = false;
+  // A step whose reduced gradients hold inf or NaN on any rank is skipped on
+  // every rank (agreed in the step's one flag all-reduce): fp16 loss scaling,
+  // or bf16 with a non-finite check.
+  TORCH_ARG(bool, skip_nonfinite_steps) = false;
   // Rank whose initial parameter values every rank starts from.
   TORCH_ARG(int64_t, broadcast_from_rank) = 0;
 

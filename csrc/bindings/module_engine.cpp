@@ -1,0 +1,146 @@
+// The DeepSpeed config and the Engine for Python (python/zeroshard/engine.py).
+#include "zeroshard/engine.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace zeroshard {
+namespace {
+
+std::string lowercase(std::string text) {
+  for (auto& c : text) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  return text;
+}
+
+// The keyword arguments python/zeroshard/optimizer.py's ZeroOptimizer takes
+// for this config: the inner optimizer, its hyper-parameters, ZeRO options.
+py::dict optimizer_arguments(const DeepSpeedConfig& config) {
+  const ZeroOptions options = zero_options_from_config(config);
+  py::dict zero;
+  zero["stage"] = options.stage();
+  zero["reduce_bucket_size"] = options.reduce_bucket_size();
+  zero["overlap_comm"] = options.overlap_comm();
+  zero["max_norm"] = options.max_norm();
+  zero["stage3_prefetch_bucket_size"] = options.stage3_prefetch_bucket_size();
+  zero["stage3_param_persistence_threshold"] = options.stage3_param_persistence_threshold();
+  zero["stage3_max_live_parameters"] = options.stage3_max_live_parameters();
+  zero["skip_nonfinite_steps"] = options.skip_nonfinite_steps();
+  py::dict hyper;
+  const auto& p = config.optimizer_params;
+  const std::string kind = lowercase(config.optimizer_type);
+  TORCH_CHECK_VALUE(!kind.empty(),
+                    "the config has no \"optimizer\" section; zeroshard.initialize builds the "
+                    "optimizer from it (\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+                    "{\"lr\": ...}})");
+  hyper["lr"] = p.at("lr").get<double>();
+  hyper["weight_decay"] = p.at("weight_decay").get<double>();
+  if (kind == "sgd") {
+    hyper["momentum"] = p.at("momentum").get<double>();
+    hyper["dampening"] = p.at("dampening").get<double>();
+    hyper["nesterov"] = p.at("nesterov").get<bool>();
+  } else {
+    hyper["betas"] = py::make_tuple(p.at("betas")[0].get<double>(), p.at("betas")[1].get<double>());
+    hyper["eps"] = p.at("eps").get<double>();
+    hyper["amsgrad"] = p.at("amsgrad").get<bool>();
+  }
+  py::dict out;
+  out["optimizer"] = kind;
+  out["hyperparameters"] = hyper;
+  out["zero_options"] = zero;
+  return out;
+}
+
+py::dict telemetry_dict(const TelemetryRecord& r) {
+  py::dict out;
+  out["step"] = r.step;
+  out["loss"] = r.loss;
+  out["lr"] = r.lr;
+  out["loss_scale"] = r.loss_scale;
+  out["skipped_steps"] = r.skipped_steps;
+  out["forward_ms"] = r.forward_ms;
+  out["backward_ms"] = r.backward_ms;
+  out["optimizer_ms"] = r.optimizer_ms;
+  out["comm_wait_share"] = r.comm_wait_share;
+  out["model_state_bytes"] = r.model_state_bytes;
+  out["peak_rss_bytes"] = r.peak_rss_bytes;
+  out["device_peak_bytes"] = r.device_peak_bytes;
+  out["line"] = r.to_line();
+  return out;
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<DeepSpeedConfig>(m, "DeepSpeedConfig")
+      .def_readonly("train_batch_size", &DeepSpeedConfig::train_batch_size)
+      .def_readonly("train_micro_batch_size_per_gpu",
+                    &DeepSpeedConfig::train_micro_batch_size_per_gpu)
+      .def_readonly("gradient_accumulation_steps", &DeepSpeedConfig::gradient_accumulation_steps)
+      .def_readonly("zero_stage", &DeepSpeedConfig::zero_stage)
+      .def_readonly("gradient_clipping", &DeepSpeedConfig::gradient_clipping)
+      .def_readonly("steps_per_print", &DeepSpeedConfig::steps_per_print)
+      .def_readonly("unsupported", &DeepSpeedConfig::unsupported)
+      .def_property_readonly("fp16", [](const DeepSpeedConfig& c) { return c.fp16.enabled; })
+      .def_property_readonly("bf16", [](const DeepSpeedConfig& c) { return c.bf16.enabled; })
+      .def_property_readonly(
+          "has_scheduler",
+          [](const DeepSpeedConfig& c) { return c.scheduler.type != LrScheduleType::kNone; })
+      .def("optimizer_arguments", &optimizer_arguments)
+      .def("check_supported", [](const DeepSpeedConfig& c) { check_supported(c); });
+  m.def(
+      "parse_deepspeed_config",
+      [](const std::string& text, int64_t world_size) {
+        nlohmann::json json;
+        try {
+          json = nlohmann::json::parse(text);
+        } catch (const nlohmann::json::parse_error& e) {
+          TORCH_CHECK_VALUE(false, "the DeepSpeed config is not valid JSON: ", e.what());
+        }
+        return parse_deepspeed_config(json, world_size);
+      },
+      py::arg("text"), py::arg("world_size"));
+  m.def("load_deepspeed_config", &load_deepspeed_config, py::arg("path"), py::arg("world_size"));
+  m.def("scheduled_lr", &scheduled_lr, py::arg("config"), py::arg("step"), py::arg("base_lr"),
+        "The learning rate DeepSpeed's scheduler sets at last_batch_iteration `step`.");
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<ZeroOptimizer&, DeepSpeedConfig>(), py::arg("optimizer"), py::arg("config"),
+           py::keep_alive<1, 2>())
+      .def("begin_forward", &Engine::begin_forward)
+      .def("end_forward", &Engine::end_forward)
+      .def("backward", &Engine::backward, py::arg("loss"), py::call_guard<py::gil_scoped_release>())
+      .def("step", &Engine::step, py::call_guard<py::gil_scoped_release>())
+      .def("is_gradient_accumulation_boundary", &Engine::is_gradient_accumulation_boundary)
+      .def_property_readonly("global_steps", &Engine::global_steps)
+      .def_property_readonly("micro_steps", &Engine::micro_steps)
+      .def_property_readonly("skipped_steps", &Engine::skipped_steps)
+      .def("train_batch_size", &Engine::train_batch_size)
+      .def("train_micro_batch_size_per_gpu", &Engine::train_micro_batch_size_per_gpu)
+      .def("gradient_accumulation_steps", &Engine::gradient_accumulation_steps)
+      .def("get_lr", &Engine::get_lr)
+      .def_property_readonly("loss_scale", &Engine::loss_scale)
+      .def("last_telemetry",
+           [](const Engine& self) -> py::object {
+             const auto& record = self.last_telemetry();
+             return record ? py::object(telemetry_dict(*record)) : py::object(py::none());
+           })
+      .def(
+          "set_device_peak_source",
+          [](Engine& self, py::function source) {
+            // Called from step() with the GIL released.
+            auto shared = std::make_shared<py::function>(std::move(source));
+            self.set_device_peak_source([shared]() {
+              py::gil_scoped_acquire gil;
+              return (*shared)().cast<int64_t>();
+            });
+          },
+          py::arg("source"));
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,223 @@
+#include "zeroshard/engine.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+namespace zeroshard {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Peak resident set of this process, from /proc (Linux); 0 elsewhere.
+int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoll(line.substr(6)) * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+ZeroOptions zero_options_from_config(const DeepSpeedConfig& config) {
+  ZeroOptions options = config.zero;
+  if (config.zero_stage == 0) {
+    options.stage(1);
+  }
+  options.max_norm(config.gradient_clipping);
+  options.skip_nonfinite_steps(config.fp16.enabled ||
+                               (config.bf16.enabled && config.bf16.check_grad_overflow));
+  return options;
+}
+
+std::unique_ptr<ZeroOptimizer> make_optimizer(std::vector<at::Tensor> params,
+                                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                              const DeepSpeedConfig& config,
+                                              std::vector<ParameterUnit> units) {
+  const auto inner = make_optimizer_options(config);
+  return std::make_unique<ZeroOptimizer>(std::move(params), std::move(process_group), *inner,
+                                         zero_options_from_config(config), std::move(units));
+}
+
+std::string TelemetryRecord::to_line() const {
+  std::ostringstream out;
+  out << "step=" << step << " loss=" << std::setprecision(6) << loss << " lr=" << std::scientific
+      << std::setprecision(4) << lr << std::defaultfloat << " loss_scale=" << loss_scale
+      << " skipped=" << skipped_steps << std::fixed << std::setprecision(2)
+      << " forward_ms=" << forward_ms << " backward_ms=" << backward_ms
+      << " optimizer_ms=" << optimizer_ms << " comm_wait=" << 100 * comm_wait_share << "%"
+      << " model_states_MiB=" << model_state_bytes / 1048576.0
+      << " peak_rss_MiB=" << peak_rss_bytes / 1048576.0;
+  if (device_peak_bytes >= 0) {
+    out << " device_peak_MiB=" << device_peak_bytes / 1048576.0;
+  }
+  if (comm_mib_per_step > 0) {
+    out << " comm_MiB_per_step=" << comm_mib_per_step;
+  }
+  return out.str();
+}
+
+std::string TelemetryRecord::to_json() const {
+  std::ostringstream out;
+  out << std::setprecision(17) << "{\"step\": " << step << ", \"loss\": " << loss
+      << ", \"lr\": " << lr << ", \"loss_scale\": " << loss_scale
+      << ", \"skipped_steps\": " << skipped_steps << ", \"forward_ms\": " << forward_ms
+      << ", \"backward_ms\": " << backward_ms << ", \"optimizer_ms\": " << optimizer_ms
+      << ", \"comm_wait_share\": " << comm_wait_share
+      << ", \"model_state_bytes\": " << model_state_bytes
+      << ", \"peak_rss_bytes\": " << peak_rss_bytes
+      << ", \"device_peak_bytes\": " << device_peak_bytes
+      << ", \"comm_mib_per_step\": " << comm_mib_per_step << "}";
+  return out.str();
+}
+
+Engine::Engine(ZeroOptimizer& optimizer, DeepSpeedConfig config)
+    : optimizer_(optimizer), config_(std::move(config)) {
+  check_supported(config_);
+  if (config_.fp16.enabled) {
+    TORCH_CHECK_VALUE(optimizer_.zero_options().skip_nonfinite_steps(),
+                      "fp16 loss scaling needs an optimizer built with skip_nonfinite_steps "
+                      "(zeroshard::make_optimizer / zero_options_from_config set it)");
+    scaler_.emplace(config_.fp16);
+    optimizer_.set_loss_scale(scaler_->scale());
+  }
+  for (const auto& group : optimizer_.param_groups()) {
+    base_lrs_.push_back(group.options().get_lr());
+  }
+  apply_schedule();
+  // Telemetry counts from here: construction's collectives are not training.
+  wait_s_at_last_line_ = optimizer_.communicator().stats().wait_seconds;
+  comm_bytes_at_last_line_ = optimizer_.communicator().stats().total_bytes();
+  if (optimizer_.communicator().rank() == 0 && config_.zero_stage == 0) {
+    std::printf(
+        "[zeroshard] zero_optimization.stage 0 runs as stage 1 (same results; the optimizer "
+        "state is sharded)\n");
+  }
+  if (optimizer_.communicator().rank() == 0 && !config_.telemetry_file.empty()) {
+    std::ofstream(config_.telemetry_file, std::ios::trunc);  // a fresh file per run
+  }
+}
+
+void Engine::begin_forward() { forward_start_ = std::chrono::steady_clock::now(); }
+
+void Engine::end_forward() { forward_s_ += seconds_since(forward_start_); }
+
+void Engine::backward(const at::Tensor& loss) {
+  TORCH_CHECK_VALUE(loss.defined() && loss.numel() == 1,
+                    "engine.backward expects the scalar loss, got a tensor of shape ",
+                    loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  const auto start = std::chrono::steady_clock::now();
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor detached = loss.detach().to(at::kDouble).reshape({});
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + detached : detached;
+  }
+  // DeepSpeed divides the loss by the accumulation steps, so the summed
+  // gradients are the mean over the global batch.
+  const double factor = loss_scale() / static_cast<double>(config_.gradient_accumulation_steps);
+  at::Tensor scaled = loss.to(at::kFloat) * factor;
+  scaled.backward();
+  backward_s_ += seconds_since(start);
+}
+
+bool Engine::is_gradient_accumulation_boundary() const {
+  return (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
+}
+
+void Engine::apply_schedule() {
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    groups[g].options().set_lr(scheduled_lr(config_, scheduler_steps_ - 1, base_lrs_[g]));
+  }
+}
+
+std::vector<double> Engine::get_lr() const {
+  std::vector<double> lrs;
+  for (const auto& group : optimizer_.param_groups()) {
+    lrs.push_back(group.options().get_lr());
+  }
+  return lrs;
+}
+
+bool Engine::step() {
+  const bool boundary = is_gradient_accumulation_boundary();
+  micro_steps_ += 1;
+  if (!boundary) {
+    return false;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  optimizer_.step();
+  const bool skipped = optimizer_.last_step_skipped();
+  if (scaler_) {
+    // Throws, on every rank alike, when the scale is already at its minimum.
+    scaler_->update(skipped);
+    optimizer_.set_loss_scale(scaler_->scale());
+  }
+  if (skipped) {
+    skipped_steps_ += 1;
+  } else {
+    scheduler_steps_ += 1;
+    apply_schedule();
+  }
+  global_steps_ += 1;
+  optimizer_.zero_grad();
+  optimizer_s_ += seconds_since(start);
+  if (loss_sum_.defined()) {
+    last_loss_ =
+        loss_sum_.item<double>() / static_cast<double>(config_.gradient_accumulation_steps);
+    loss_sum_ = at::Tensor();
+  }
+  if (global_steps_ % config_.steps_per_print == 0) {
+    emit_telemetry();
+  }
+  return !skipped;
+}
+
+void Engine::emit_telemetry() {
+  const CommStats& stats = optimizer_.communicator().stats();
+  const auto steps = static_cast<double>(global_steps_ - steps_at_last_line_);
+  TelemetryRecord record;
+  record.step = global_steps_;
+  record.loss = last_loss_;
+  record.lr = get_lr().front();
+  record.loss_scale = loss_scale();
+  record.skipped_steps = skipped_steps_;
+  record.forward_ms = 1e3 * forward_s_ / steps;
+  record.backward_ms = 1e3 * backward_s_ / steps;
+  record.optimizer_ms = 1e3 * optimizer_s_ / steps;
+  const double busy = forward_s_ + backward_s_ + optimizer_s_;
+  record.comm_wait_share = busy > 0 ? (stats.wait_seconds - wait_s_at_last_line_) / busy : 0;
+  record.model_state_bytes = optimizer_.parameter_bytes() + optimizer_.gradient_bytes() +
+                             optimizer_.optimizer_state_bytes();
+  record.peak_rss_bytes = peak_rss_bytes();
+  record.device_peak_bytes = device_peak_source_ ? device_peak_source_() : -1;
+  if (config_.wall_clock_breakdown) {
+    record.comm_mib_per_step =
+        static_cast<double>(stats.total_bytes() - comm_bytes_at_last_line_) / 1048576.0 / steps;
+  }
+  forward_s_ = backward_s_ = optimizer_s_ = 0;
+  wait_s_at_last_line_ = stats.wait_seconds;
+  comm_bytes_at_last_line_ = stats.total_bytes();
+  steps_at_last_line_ = global_steps_;
+  if (optimizer_.communicator().rank() == 0) {
+    std::printf("[zeroshard] %s\n", record.to_line().c_str());
+    std::fflush(stdout);
+    if (!config_.telemetry_file.empty()) {
+      std::ofstream(config_.telemetry_file, std::ios::app) << record.to_json() << "\n";
+    }
+  }
+  last_telemetry_ = record;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,327 @@
+"""zeroshard.initialize: DeepSpeed's config, mixed precision, loss scaling, telemetry.
+
+Mixed-precision runs are compared with a single-process reference that uses
+the same recipe (16-bit model, fp32 master weights and AdamW state, the loss
+multiplied by the same scale and the gradients divided by it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+
+from dist_harness import run_ranks, unwrap
+from tiny_models import SEQ, VOCAB, make_gpt
+
+STEPS = 8
+ACCUMULATION = 2
+GLOBAL_BATCH = 12  # per micro-batch, divisible by 2, 3 and 4
+LR = 1e-2
+SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "seed_zero3_config.json")
+
+
+def config(dtype: torch.dtype, stage: int, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH * ACCUMULATION,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 4,
+        # A scale the tiny model's gradients never overflow at, so that the
+        # reference and the ranks take the same steps.
+        "fp16": {"enabled": dtype == torch.float16, "initial_scale_power": 8},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+    }
+    out.update(extra)
+    return out
+
+
+def batch(step: int, micro: int, rank: int, world_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(30_000 + 100 * step + micro)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    per_rank = GLOBAL_BATCH // world_size
+    return tokens[rank * per_rank : (rank + 1) * per_rank]
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    # Predict each token from itself through the causal model: a stable target.
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens.reshape(-1))
+
+
+def reference(dtype: torch.dtype, scale: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The mixed-precision recipe in one process on the global batch."""
+    model = make_gpt(seed=0).to(dtype)
+    params = list(model.parameters())
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(master, lr=LR, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUMULATION):
+            tokens = batch(step, micro, 0, 1)
+            loss = loss_of(model(tokens), tokens)
+            (loss * (scale / ACCUMULATION)).backward()
+            total += loss.item() / ACCUMULATION
+        for p, m in zip(params, master, strict=True):
+            m.grad = p.grad.float() / scale
+            p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, master, strict=True):
+                p.copy_(m)
+        losses.append(total)
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, (m.detach() for m in master), strict=True)), losses
+
+
+def _train(rank: int, world_size: int, dtype: torch.dtype, stage: int) -> dict[str, Any]:
+    model = make_gpt(seed=0).to(dtype)
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=config(dtype, stage))
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUMULATION):
+            tokens = batch(step, micro, rank, world_size)
+            loss = loss_of(engine(tokens), tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / ACCUMULATION
+        losses.append(total)
+    return {
+        "master": optimizer.full_state_dict(rank=0),
+        "losses": losses,
+        "skipped": engine.skipped_steps,
+        "scale": engine.loss_scale,
+        "global_steps": engine.global_steps,
+        "telemetry": engine.last_telemetry(),
+    }
+
+
+# Gradients are summed across ranks in the 16-bit format, where the reference
+# computes one 16-bit gradient of the whole batch: the two differ by rounding
+# (a few units in the last place of each gradient element, 2^-11 relative in
+# fp16, 2^-8 in bf16), which Adam's normalisation passes on to the updates.
+# Measured after 8 steps at stages 1-3: fp16 5.2e-5 to 6.2e-5, bf16 6.8e-4 to
+# 9.5e-4 (losses 5e-5 to 1.4e-3 apart); the bounds leave ~5x room.
+_MASTER_TOLERANCE = {torch.float16: 3e-4, torch.bfloat16: 5e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_matches_the_single_process_recipe(dtype, stage) -> None:
+    world_size = 2
+    results = unwrap(run_ranks(world_size, _train, dtype, stage))
+    scale = 2.0**8 if dtype == torch.float16 else 1.0
+    expected, expected_losses = reference(dtype, scale)
+    r = results[0]
+    assert r["skipped"] == 0 and r["global_steps"] == STEPS
+    assert r["scale"] == scale
+    diff = max((r["master"][k] - v).abs().max().item() for k, v in expected.items())
+    # Each rank's loss is the mean over its equal slice: their mean is the global loss.
+    losses = [sum(x["losses"][i] for x in results) / world_size for i in range(STEPS)]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True))
+    print(
+        f"stage {stage} {dtype}: master weights max abs diff {diff:.2e} (bound "
+        f"{_MASTER_TOLERANCE[dtype]}), loss diff {loss_diff:.2e}"
+    )
+    assert diff <= _MASTER_TOLERANCE[dtype]
+    assert loss_diff <= 5e-3
+    assert losses[-1] < losses[0]  # it learns
+
+
+def _loss_curve(rank: int, world_size: int, dtype: torch.dtype) -> list[float]:
+    return _train(rank, world_size, dtype, 2)["losses"]
+
+
+def test_bf16_loss_curve_follows_fp32() -> None:
+    fp32 = unwrap(run_ranks(2, _loss_curve, torch.float32))[0]
+    bf16 = unwrap(run_ranks(2, _loss_curve, torch.bfloat16))[0]
+    gaps = [abs(a - b) / a for a, b in zip(fp32, bf16, strict=True)]
+    print(f"fp32 {fp32}\nbf16 {bf16}\nrelative gaps {gaps}")
+    # bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 0.4%); measured
+    # gaps stay under 0.6% over 8 steps.
+    assert max(gaps) <= 0.02
+
+
+# ---- Overflow handling --------------------------------------------------------------
+
+
+def _overflow(rank: int, world_size: int, stage: int, min_scale_case: bool) -> dict[str, Any]:
+    model = make_gpt(seed=0).to(torch.float16)
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    if min_scale_case:
+        fp16.update({"initial_scale_power": 1, "min_loss_scale": 1})
+    cfg = config(torch.float16, stage, fp16=fp16)
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=cfg)
+    poison = {"on": False}
+
+    def inject(grad: torch.Tensor) -> torch.Tensor:
+        # Only rank 1 sees an inf, in one parameter's gradient.
+        return grad * math.inf if poison["on"] and rank == 1 else grad
+
+    model.blocks[0].mix.weight.register_hook(inject)
+    events = []
+    for step in range(4):
+        poison["on"] = step == 2 or (min_scale_case and step >= 1)
+        before = optimizer.full_state_dict(rank=0)  # collective; empty off rank 0
+        scale_before = engine.loss_scale
+        for micro in range(ACCUMULATION):
+            tokens = batch(step, micro, rank, world_size)
+            engine.backward(loss_of(engine(tokens), tokens))
+            engine.step()
+        after = optimizer.full_state_dict(rank=0)
+        unchanged = all(torch.equal(before[k], after[k]) for k in before) if rank == 0 else None
+        events.append((step, scale_before, engine.loss_scale, engine.skipped_steps, unchanged))
+    return {"events": events}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(stage) -> None:
+    results = unwrap(run_ranks(2, _overflow, stage, False))
+    for rank, r in enumerate(results):
+        for step, before, after, skipped, unchanged in r["events"]:
+            print(f"rank {rank} step {step}: scale {before} -> {after}, skipped {skipped}")
+            if step == 2:
+                assert after == before / 2 and skipped == 1
+                if rank == 0:
+                    assert unchanged, "a skipped step changed the parameters"
+            elif step < 2:
+                assert after == before and skipped == 0
+                if rank == 0:
+                    assert not unchanged
+
+
+def test_reaching_the_minimum_loss_scale_is_a_clear_error_on_every_rank() -> None:
+    results = run_ranks(2, _overflow, 2, True)
+    for result in results:
+        message = getattr(result, "message", "")
+        print(message)
+        assert "Current loss scale already at minimum" in message, result
+
+
+# ---- Config ---------------------------------------------------------------------
+
+
+def _initialize_error(rank: int, world_size: int, cfg: Any) -> str:
+    try:
+        zeroshard.initialize(model=make_gpt(seed=0), config=cfg)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+_BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+CONFIG_ERRORS = {
+    "batch_mismatch": (
+        {**_BASE, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1},
+        "train_batch_size (8) != train_micro_batch_size_per_gpu (3) * "
+        "gradient_accumulation_steps (1) * world_size (2) = 6",
+    ),
+    "unknown_top_level_key": (
+        {**_BASE, "zero_optimisation": {"stage": 2}},
+        'unknown key "zero_optimisation" in the config; did you mean "zero_optimization"?',
+    ),
+    "unknown_zero_key": (
+        {**_BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 10}},
+        'did you mean "stage3_prefetch_bucket_size"?',
+    ),
+    "offload_not_supported_yet": (
+        {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+        "not supported yet",
+    ),
+    "bad_stage_type": (
+        {**_BASE, "zero_optimization": {"stage": "three"}},
+        "zero_optimization.stage must be an integer",
+    ),
+    "fp16_and_bf16": (
+        {**_BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+        "fp16",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_ERRORS))
+def test_config_errors_are_clear_on_every_rank(name: str) -> None:
+    cfg, expected = CONFIG_ERRORS[name]
+    for message in unwrap(run_ranks(2, _initialize_error, cfg)):
+        print(message)
+        assert expected in message
+
+
+def test_the_seed_zero3_config_loads_unchanged() -> None:
+    # seeds/002 section 4.2, verbatim: 1024 = 8 per GPU x 16 accumulation x 8 GPUs.
+    parsed = zeroshard._C.load_deepspeed_config(SEED_CONFIG, 8)
+    assert (parsed.train_batch_size, parsed.zero_stage) == (1024, 3)
+    print(parsed.unsupported)
+    # It asks for CPU offload, which is not supported yet: initialize says so.
+    assert any("offload_optimizer" in u for u in parsed.unsupported)
+    with pytest.raises(ValueError, match="not supported yet"):
+        parsed.check_supported()
+
+
+# ---- Schedule and telemetry ---------------------------------------------------------
+
+
+def _telemetry(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    cfg = config(
+        torch.float32,
+        2,
+        steps_per_print=2,
+        zeroshard={"telemetry_file": path},
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4},
+        },
+    )
+    engine, optimizer, _, scheduler = zeroshard.initialize(model=model, config=cfg)
+    lrs = []
+    for step in range(6):
+        for micro in range(ACCUMULATION):
+            tokens = batch(step, micro, rank, world_size)
+            engine.backward(loss_of(engine(tokens), tokens))
+            engine.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    tracked = (
+        optimizer.parameter_bytes() + optimizer.gradient_bytes() + optimizer.optimizer_state_bytes()
+    )
+    return {
+        "lrs": lrs,
+        "tracked": tracked,
+        "telemetry": engine.last_telemetry(),
+        "batch": (engine.train_batch_size(), engine.gradient_accumulation_steps()),
+        "global_steps": engine.global_steps,
+    }
+
+
+def test_telemetry_lines_parse_and_agree_with_tracked_bytes(tmp_path) -> None:
+    path = str(tmp_path / "telemetry.jsonl")
+    results = unwrap(run_ranks(2, _telemetry, path))
+    records = [json.loads(line) for line in open(path)]
+    print(records[-1])
+    assert [r["step"] for r in records] == [2, 4, 6]
+    for r in results:
+        assert r["batch"] == (GLOBAL_BATCH * ACCUMULATION, ACCUMULATION)
+        assert r["global_steps"] == 6
+        line = r["telemetry"]["line"]
+        fields = dict(item.split("=") for item in line.split())
+        assert set(fields) >= {
+            "step", "loss", "lr", "loss_scale", "skipped", "forward_ms", "backward_ms",
+            "optimizer_ms", "comm_wait", "model_states_MiB", "peak_rss_MiB",
+        }  # fmt: skip
+        assert r["telemetry"]["model_state_bytes"] == r["tracked"]
+        assert 0.0 <= r["telemetry"]["comm_wait_share"] <= 1.0
+    assert records[-1]["model_state_bytes"] == results[0]["tracked"]
+    # WarmupLR, log warmup over 4 steps (DeepSpeed's formula), then flat.
+    expected = [LR * math.log(s + 1) / math.log(4) if s < 4 else LR for s in range(6)]
+    print("lrs", results[0]["lrs"], "expected", expected)
+    assert results[0]["lrs"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
