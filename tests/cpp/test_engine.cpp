@@ -1,0 +1,123 @@
+// The C++ Engine reads DeepSpeed's JSON and drives a torch::nn model on
+// several ranks (threads, Gloo): accumulation boundaries, the LR schedule and
+// the result of LibTorch's AdamW on the global batch.
+#include "zeroshard/engine.h"
+
+#include "rank_threads.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/randn.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/nn/modules/linear.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+
+#include <mutex>
+
+namespace zeroshard {
+namespace {
+
+constexpr int64_t kMicroBatch = 8;  // global, per micro-step
+constexpr int kAccumulation = 2;
+constexpr int kSteps = 4;
+
+torch::nn::Linear MakeModel() {
+  torch::nn::Linear model(6, 3);
+  auto generator = at::detail::createCPUGenerator(11);
+  at::NoGradGuard no_grad;
+  for (auto& p : model->parameters()) {
+    p.copy_(at::randn(p.sizes(), generator) * 0.3);
+  }
+  return model;
+}
+
+std::pair<at::Tensor, at::Tensor> Batch(int step, int micro) {
+  auto generator = at::detail::createCPUGenerator(900 + 10 * step + micro);
+  at::Tensor x = at::randn({kMicroBatch, 6}, generator);
+  return {x, at::randn({kMicroBatch, 3}, generator)};
+}
+
+const char* kConfig = R"({
+  "train_batch_size": 16, "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
+                                              "warmup_num_steps": 3, "warmup_type": "linear"}},
+  "zero_optimization": {"stage": 2},
+  "gradient_clipping": 0.0,
+  "steps_per_print": 2
+})";
+
+#ifdef ZEROSHARD_WITH_GLOO
+
+TEST(EngineTest, TrainsFromDeepSpeedJsonLikeLibTorchWithTheSameSchedule) {
+  // Reference: LibTorch AdamW with the linear warmup DeepSpeed's WarmupLR sets.
+  // DeepSpeed starts the scheduler at iteration -1 (lr = warmup_min_lr) and
+  // advances it after each optimizer step, so optimizer step n runs with
+  // iteration n - 1: lr = max_lr * max(0, n - 1) / warmup_num_steps.
+  auto reference = MakeModel();
+  torch::optim::AdamW reference_optimizer(reference->parameters(),
+                                          torch::optim::AdamWOptions(0.01).weight_decay(0.0));
+  std::vector<double> expected_lrs;
+  for (int step = 0; step < kSteps; ++step) {
+    const double lr = 0.01 * std::min(1.0, std::max(0, step - 1) / 3.0);
+    expected_lrs.push_back(lr);
+    static_cast<torch::optim::AdamWOptions&>(reference_optimizer.param_groups()[0].options())
+        .lr(lr);
+    reference_optimizer.zero_grad();
+    for (int micro = 0; micro < kAccumulation; ++micro) {
+      auto [x, y] = Batch(step, micro);
+      ((reference->forward(x) - y).pow(2).mean() / kAccumulation).backward();
+    }
+    reference_optimizer.step();
+  }
+
+  constexpr int kWorld = 2;
+  std::mutex mutex;
+  std::vector<std::vector<at::Tensor>> params(kWorld);
+  std::vector<std::vector<double>> lrs(kWorld);
+  std::vector<int64_t> global_steps(kWorld);
+  const auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    const auto config = parse_deepspeed_config(nlohmann::json::parse(kConfig), kWorld);
+    auto model = MakeModel();
+    auto optimizer = make_optimizer(model->parameters(), pg, config);
+    Engine engine(*optimizer, config);
+    std::vector<double> seen;
+    for (int step = 0; step < kSteps; ++step) {
+      seen.push_back(engine.get_lr().front());
+      for (int micro = 0; micro < kAccumulation; ++micro) {
+        auto [x, y] = Batch(step, micro);
+        const int64_t per_rank = kMicroBatch / kWorld;
+        at::Tensor loss = engine.forward([&] {
+          return (model->forward(x.narrow(0, rank * per_rank, per_rank)) -
+                  y.narrow(0, rank * per_rank, per_rank))
+              .pow(2)
+              .mean();
+        });
+        engine.backward(loss);
+        EXPECT_EQ(engine.step(), micro == kAccumulation - 1);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& p : model->parameters()) {
+      params[rank].push_back(p.detach().clone());
+    }
+    lrs[rank] = seen;
+    global_steps[rank] = engine.global_steps();
+    EXPECT_TRUE(engine.last_telemetry().has_value());
+  });
+  const auto expected = reference->parameters();
+  for (int rank = 0; rank < kWorld; ++rank) {
+    ASSERT_EQ(errors[rank], "");
+    EXPECT_EQ(global_steps[rank], kSteps);
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_NEAR(lrs[rank][step], expected_lrs[step], 1e-12) << "step " << step;
+    }
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_LE((params[rank][i] - expected[i]).abs().max().item<double>(), 1e-6);
+    }
+  }
+}
+
+#endif  // ZEROSHARD_WITH_GLOO
+
+}  // namespace
+}  // namespace zeroshard
