@@ -218,8 +218,8 @@ std::vector<std::vector<int64_t>> ZeroOptimizer::assign_units(
 
 std::vector<BucketId> ZeroOptimizer::buckets_of(const std::vector<at::Tensor>& params) const {
   std::vector<BucketId> buckets;
-  auto add = [&](size_t g, int64_t i) {
-    const ParamSlot& slot = layout_->group(g).slot_of_param(i);
+  auto add = [&](size_t g, size_t i) {
+    const ParamSlot& slot = layout_->group(g).slot_of_param(static_cast<int64_t>(i));
     if (slot.numel == 0) {
       return;
     }
@@ -228,19 +228,26 @@ std::vector<BucketId> ZeroOptimizer::buckets_of(const std::vector<at::Tensor>& p
       buckets.push_back(id);
     }
   };
+  if (params.empty()) {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+        add(g, i);
+      }
+    }
+    return buckets;
+  }
+  std::unordered_map<const void*, std::pair<size_t, size_t>> index_of;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& group = param_groups_[g].params();
     for (size_t i = 0; i < group.size(); ++i) {
-      if (params.empty()) {
-        add(g, static_cast<int64_t>(i));
-        continue;
-      }
-      for (const auto& param : params) {
-        if (param.unsafeGetTensorImpl() == group[i].unsafeGetTensorImpl()) {
-          add(g, static_cast<int64_t>(i));
-        }
-      }
+      index_of.emplace(group[i].unsafeGetTensorImpl(), std::make_pair(g, i));
     }
+  }
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto found = index_of.find(params[p].unsafeGetTensorImpl());
+    TORCH_CHECK_VALUE(found != index_of.end(), "tensor ", p,
+                      " is not one of this optimizer's parameters");
+    add(found->second.first, found->second.second);
   }
   return buckets;
 }

@@ -100,9 +100,33 @@ void ParameterGatherer::release(size_t g, size_t b) {
   live_numel_ -= bucket.full.numel();
 }
 
+// A bucket the plan uses again within the prefetch window stays gathered
+// (DeepSpeed's reuse distance): releasing it would only make the prefetch
+// gather it again a moment later. E.g. the last blocks of the forward are the
+// first of the backward, and a tied embedding is used at both ends.
+bool ParameterGatherer::needed_soon(size_t g, size_t b) const {
+  if (live_numel_ > max_live_numel_) {
+    return false;
+  }
+  int64_t window = 0;
+  for (size_t next = cursor_; next < previous_order_.size(); ++next) {
+    const int64_t unit = previous_order_[next];
+    window += unit_numel_[unit];
+    if (window > prefetch_numel_) {
+      return false;
+    }
+    for (const auto& id : unit_buckets_[unit]) {
+      if (id.first == g && id.second == b) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 void ParameterGatherer::maybe_release(size_t g, size_t b) {
   const BucketState& bucket = state(g, b);
-  if (bucket.forward_refs == 0 && !bucket.backward_hold && bucket.pins == 0) {
+  if (bucket.forward_refs == 0 && !bucket.backward_hold && bucket.pins == 0 && !needed_soon(g, b)) {
     release(g, b);
   }
 }
@@ -143,6 +167,12 @@ int64_t ParameterGatherer::unit_missing_numel(int64_t unit) const {
 // every rank derives the same prefetches (the order check verifies it).
 void ParameterGatherer::record_and_prefetch(int64_t unit) {
   current_order_.push_back(unit);
+  // Loops without step() (evaluation) rotate the plan themselves.
+  if (current_order_.size() > 4 * (previous_order_.size() + unit_names_.size()) + 64) {
+    previous_order_ = std::move(current_order_);
+    current_order_.clear();
+    cursor_ = 0;
+  }
   auto match = std::find(previous_order_.begin() +
                              static_cast<std::ptrdiff_t>(std::min(cursor_, previous_order_.size())),
                          previous_order_.end(), unit);
@@ -172,7 +202,26 @@ void ParameterGatherer::record_and_prefetch(int64_t unit) {
   }
 }
 
+// Before a demanded gather would pass stage3_max_live_parameters, drop what
+// is only kept for reuse or was prefetched: nobody references it now.
+void ParameterGatherer::make_room(int64_t unit) {
+  if (live_numel_ + unit_missing_numel(unit) <= max_live_numel_) {
+    return;
+  }
+  const auto& mine = unit_buckets_.at(unit);
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    for (size_t b = 0; b < buckets_[g].size(); ++b) {
+      const BucketState& bucket = buckets_[g][b];
+      const bool in_use = bucket.forward_refs > 0 || bucket.backward_hold || bucket.pins > 0;
+      if (!in_use && std::find(mine.begin(), mine.end(), BucketId{g, b}) == mine.end()) {
+        release(g, b);
+      }
+    }
+  }
+}
+
 void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
+  make_room(unit);
   gather_unit(unit, /*wait=*/false);
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     if (in_backward) {
@@ -208,6 +257,7 @@ void ParameterGatherer::pre_backward(int64_t unit) {
   if (already_held) {
     return;
   }
+  make_room(unit);
   gather_unit(unit, /*wait=*/false);
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     state(g, b).backward_hold = true;

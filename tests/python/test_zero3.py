@@ -230,10 +230,15 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
     out["unit_numels"] = _unit_numels(model, optimizer)
     out["param_numel"] = sum(p.numel() for p in model.parameters())
 
-    # Bytes handed to collectives per step: stage 2 vs stage 3 on the same model.
-    for stage in (2, 3):
+    # Bytes handed to collectives per step: stage 2 vs stage 3 on the same
+    # model; stage 3 without prefetch (every unit gathered on demand, released
+    # right after use) and with the default window (which also keeps units the
+    # next part of the iteration reuses).
+    for label, stage, window in (("stage2", 2, 0), ("stage3", 3, 0), ("stage3_default", 3, None)):
         model = make_gpt(seed=0)
         extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+        if stage == 3 and window is not None:
+            extra["stage3_prefetch_bucket_size"] = window
         optimizer = zeroshard.ZeroOptimizer(
             model.parameters(), "adamw", stage=stage, check_collective_order=False, **extra
         )
@@ -243,7 +248,7 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
         optimizer.reset_comm_stats()
         loss_of(model, tokens, targets, 1).backward()
         optimizer.step()
-        out[f"stats_stage{stage}"] = optimizer.comm_stats()
+        out[f"stats_{label}"] = optimizer.comm_stats()
 
     # Inference: eval() and no_grad gather and release, with no gradient traffic.
     model = make_gpt(seed=0)
@@ -329,6 +334,10 @@ def test_stage3_traffic_is_about_one_and_a_half_times_stage2(measured) -> None:
     # which puts the measured ratio a little above 1.5.
     assert 1.45 <= ratio <= 1.8
     assert s3["reduce_scatter_bytes"] >= s2["reduce_scatter_bytes"]
+    # Keeping what is reused within the prefetch window only saves gathers.
+    default = results[0]["stats_stage3_default"]
+    print(f"stage 3 with the default prefetch window: {default}")
+    assert default["all_gather_bytes"] <= s3["all_gather_bytes"]
 
 
 def test_eval_and_no_grad_gather_release_and_send_no_gradients(measured) -> None:

@@ -21,9 +21,11 @@
 //
 // When is a bucket held? While a forward of a unit that uses it runs
 // (reference counted: units nest and modules are called twice), from a unit's
-// pre-backward until its gradients have all arrived (or backward ends), and
-// while the user pins it (GatheredParameters). Persistent buckets (parameters
-// of no unit, or below stage3_param_persistence_threshold) are never freed.
+// pre-backward until its gradients have all arrived (or backward ends), while
+// the user pins it (pin/unpin), and while the previous iteration's order says
+// it is used again within the prefetch window (DeepSpeed's reuse distance;
+// never beyond stage3_max_live_parameters). Persistent buckets (parameters of
+// no unit, or below stage3_param_persistence_threshold) are never freed.
 //
 // Thread-safety: called from the training thread and from autograd hooks on
 // the backward thread, which never run at the same time; ZeroOptimizer
@@ -136,6 +138,8 @@ class ParameterGatherer {
 
   BucketState& state(size_t group, size_t bucket) { return buckets_.at(group).at(bucket); }
   void maybe_release(size_t group, size_t bucket);
+  bool needed_soon(size_t group, size_t bucket) const;
+  void make_room(int64_t unit);
   void gather_unit(int64_t unit, bool wait);
   void record_and_prefetch(int64_t unit);
   int64_t unit_missing_numel(int64_t unit) const;
