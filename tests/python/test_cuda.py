@@ -51,6 +51,7 @@ def _train(rank: int, world_size: int, stage: int, backend: str) -> dict[str, to
     torch.cuda.set_device(0)
     group = dist.new_group(backend=backend) if backend == "nccl" else None
     model = make_model(seed=0).cuda()
+    stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
     optimizer = zeroshard.ZeroOptimizer(
         param_groups(model, (1e-2, 5e-3)),
         "adamw",
@@ -58,12 +59,14 @@ def _train(rank: int, world_size: int, stage: int, backend: str) -> dict[str, to
         weight_decay=0.1,
         reduce_bucket_size=64,
         process_group=group,
+        **stage3,
     )
     train(OnGpu(model), optimizer, STEPS, rank, world_size)
-    return {k: v.cpu() for k, v in snapshot(model).items()}
+    with optimizer.gathered_parameters():
+        return {k: v.cpu() for k, v in snapshot(model).items()}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cuda_world_size_one_over_nccl_matches_torch_optim(stage: int) -> None:
     (result,) = unwrap(run_ranks(1, _train, stage, "nccl"))
     diff = max_abs_diff(result, _reference())
@@ -71,7 +74,7 @@ def test_cuda_world_size_one_over_nccl_matches_torch_optim(stage: int) -> None:
     assert diff <= TOLERANCE
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cuda_two_ranks_on_one_gpu_over_gloo(stage: int) -> None:
     results = unwrap(run_ranks(2, _train, stage, "gloo"))
     expected = _reference()
