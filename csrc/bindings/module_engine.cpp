@@ -31,6 +31,7 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
   zero["stage3_param_persistence_threshold"] = options.stage3_param_persistence_threshold();
   zero["stage3_max_live_parameters"] = options.stage3_max_live_parameters();
   zero["skip_nonfinite_steps"] = options.skip_nonfinite_steps();
+  zero["reduce_in_fp32"] = options.reduce_in_fp32();
   py::dict hyper;
   const auto& p = config.optimizer_params;
   const std::string kind = lowercase(config.optimizer_type);

@@ -112,7 +112,7 @@ const Keys kBf16Keys = {
     "bf16_optimizer_states"};
 const Keys kOptimizerKeys = {"type", "params", "legacy_fusion"};
 const Keys kSchedulerKeys = {"type", "params"};
-const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file"};
+const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file", "on_nonfinite"};
 
 // DeepSpeed's own parameters of FusedAdam/CPUAdam (bias_correction, set_grad_none) and of its
 // Adam selection (torch_adam, adam_w_mode) besides torch.optim.Adam's.
@@ -731,8 +731,12 @@ void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
   if (top.has("communication_data_type")) {
     const std::string dtype =
         top.choice("communication_data_type", "fp32", {"fp32", "fp16", "bf16"});
-    if (dtype != "fp32" || out.fp16.enabled || out.bf16.enabled) {
-      flag(out, "communication_data_type", dtype, "gradients are reduced in the parameters' dtype");
+    const std::string params = out.fp16.enabled ? "fp16" : out.bf16.enabled ? "bf16" : "fp32";
+    if (dtype == "fp32" && params != "fp32") {
+      out.zero.reduce_in_fp32(true);  // 16-bit model, gradients reduced in fp32
+    } else if (dtype != params) {
+      flag(out, "communication_data_type", dtype,
+           "gradients are reduced in the parameters' dtype or in fp32");
     }
   }
 }
@@ -776,6 +780,10 @@ DeepSpeedConfig parse_deepspeed_config(const nlohmann::json& config, int64_t wor
   const Section zeroshard = top.section("zeroshard", kZeroshardKeys);
   out.ignore_unsupported = zeroshard.boolean("ignore_unsupported", false);
   out.telemetry_file = zeroshard.string("telemetry_file", "");
+  out.raise_on_nonfinite = zeroshard.choice("on_nonfinite", "skip", {"skip", "raise"}) == "raise";
+  TORCH_CHECK_VALUE(!out.raise_on_nonfinite || (out.bf16.enabled && out.bf16.check_grad_overflow),
+                    "zeroshard.on_nonfinite applies to bf16 with bf16.check_grad_overflow = true "
+                    "(fp16 always skips and lowers the loss scale)");
   return out;
 }
 

@@ -159,6 +159,10 @@ bool Engine::step() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_.step();
   const bool skipped = optimizer_.last_step_skipped();
+  // Every rank saw the same flag, so every rank raises.
+  TORCH_CHECK(!(skipped && config_.raise_on_nonfinite), "step ", global_steps_,
+              ": the gradients hold inf or NaN on some rank (bf16.check_grad_overflow with "
+              "zeroshard.on_nonfinite = \"raise\"); parameters were left unchanged");
   if (scaler_) {
     // Throws, on every rank alike, when the scale is already at its minimum.
     scaler_->update(skipped);

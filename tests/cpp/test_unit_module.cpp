@@ -3,6 +3,8 @@
 // AdamW reaches on the global batch.
 #include "zeroshard/unit_module.h"
 
+#include "zeroshard/gathered_parameters.h"
+
 #include "rank_threads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -99,9 +101,11 @@ TEST(UnitModuleTest, StageThreeTrainsATorchNnModelLikeLibTorchAdamW) {
         optimizer.step();
       }
       const int64_t gathered = optimizer.gathered_parameter_bytes();
-      optimizer.pin_parameters({});
-      auto snapshot = Snapshot(net);
-      optimizer.unpin_parameters({});
+      std::vector<at::Tensor> snapshot;
+      {
+        GatheredParameters full(optimizer);
+        snapshot = Snapshot(net);
+      }
       std::lock_guard<std::mutex> lock(mutex);
       results[rank] = std::move(snapshot);
       gathered_between_steps[rank] = gathered;
@@ -132,6 +136,32 @@ TEST(UnitModuleTest, ShardedButUnattachedModelFailsInsteadOfReadingFreedMemory) 
   }
 }
 
+#endif  // ZEROSHARD_WITH_GLOO
+
+#ifdef ZEROSHARD_WITH_GLOO
+TEST(UnitModuleTest, GatheredParametersKeepsTheModifierRanksEdits) {
+  const auto errors = RunRanks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Net net = MakeNet();
+    ZeroOptimizer optimizer(net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
+                            ZeroOptions().stage(3).stage3_param_persistence_threshold(0),
+                            collect_units(*net));
+    attach_units(*net, optimizer);
+    at::Tensor weight = net->fc2->inner()->weight;
+    {
+      GatheredParameters full(optimizer, {weight}, /*modifier_rank=*/1);
+      if (rank == 1) {
+        at::NoGradGuard no_grad;
+        weight.fill_(0.5);
+      }
+    }
+    EXPECT_EQ(optimizer.gathered_parameter_bytes(), (9 * 3 + 3) * 4);  // released again
+    GatheredParameters full(optimizer, {weight});
+    EXPECT_TRUE(weight.eq(0.5).all().item<bool>()) << "rank " << rank;
+  });
+  for (const auto& error : errors) {
+    EXPECT_EQ(error, "");
+  }
+}
 #endif  // ZEROSHARD_WITH_GLOO
 
 TEST(UnitModuleTest, CollectUnitsNamesEachWrappedModuleWithItsParameters) {

@@ -325,3 +325,43 @@ def test_telemetry_lines_parse_and_agree_with_tracked_bytes(tmp_path) -> None:
     expected = [LR * math.log(s + 1) / math.log(4) if s < 4 else LR for s in range(6)]
     print("lrs", results[0]["lrs"], "expected", expected)
     assert results[0]["lrs"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def _bf16_options(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, extra in (
+        ("bf16_reduce", {}),
+        ("fp32_reduce", {"communication_data_type": "fp32"}),
+    ):
+        model = make_gpt(seed=0).to(torch.bfloat16)
+        engine, optimizer, _, _ = zeroshard.initialize(
+            model=model, config=config(torch.bfloat16, 2, **extra)
+        )
+        out[label] = optimizer.gradient_bytes()  # the gradient shard, allocated
+    # bf16 with the non-finite check set to raise: an inf on rank 1 stops every rank.
+    model = make_gpt(seed=0).to(torch.bfloat16)
+    cfg = config(
+        torch.bfloat16,
+        2,
+        bf16={"enabled": True, "check_grad_overflow": True},
+        zeroshard={"on_nonfinite": "raise"},
+    )
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    model.blocks[0].mix.weight.register_hook(lambda g: g * math.inf if rank == 1 else g)
+    try:
+        for micro in range(ACCUMULATION):
+            tokens = batch(0, micro, rank, world_size)
+            engine.backward(loss_of(engine(tokens), tokens))
+            engine.step()
+        out["error"] = "no error"
+    except RuntimeError as error:
+        out["error"] = str(error)
+    return out
+
+
+def test_bf16_reduction_dtype_and_raising_on_non_finite_gradients() -> None:
+    for r in unwrap(run_ranks(2, _bf16_options)):
+        print(r)
+        # communication_data_type fp32: the gradient shard is fp32, twice the bytes.
+        assert r["fp32_reduce"] == 2 * r["bf16_reduce"]
+        assert "on_nonfinite" in r["error"] and "inf or NaN" in r["error"]

@@ -24,6 +24,7 @@ from tiny_models import (
     assert_ranks_match_reference,
     make_gpt,
     make_model,
+    max_abs_diff,
     param_groups,
     snapshot,
 )
@@ -511,3 +512,42 @@ def test_partitioned_construction_peak_memory_is_a_shard_plus_one_unit(monkeypat
         # Parameter shard + gradient shard (allocated at construction) + one unit.
         assert r["peak_increase"] < 2 * full // world_size + 2 * unit
         assert r["peak_increase"] < allowed
+
+
+# ---- Checkpoint -----------------------------------------------------------------
+
+
+def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    def make() -> tuple[nn.Module, Any]:
+        model = make_gpt(seed=0)
+        return model, zeroshard.ZeroOptimizer(
+            model.parameters(), "adamw", stage=3, module=model, stage3_param_persistence_threshold=0
+        )
+
+    def run(model: nn.Module, optimizer: Any, steps: range) -> None:
+        for step in steps:
+            tokens, targets = micro_batch(step, 0, rank, world_size)
+            optimizer.zero_grad()
+            loss_of(model, tokens, targets, step).backward()
+            optimizer.step()
+
+    model, optimizer = make()
+    run(model, optimizer, range(6))
+    with optimizer.gathered_parameters():
+        uninterrupted = snapshot(model)
+    model, optimizer = make()
+    run(model, optimizer, range(3))
+    torch.save(optimizer.state_dict(), f"{path}.{rank}")
+    model, optimizer = make()  # fresh model: the state restores its parameters
+    optimizer.load_state_dict(torch.load(f"{path}.{rank}", weights_only=False))
+    run(model, optimizer, range(3, 6))
+    with optimizer.gathered_parameters():
+        resumed = snapshot(model)
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def test_stage3_save_load_continue_equals_uninterrupted(tmp_path) -> None:
+    for r in unwrap(run_ranks(3, _resume, str(tmp_path / "state"))):
+        diff = max_abs_diff(r["resumed"], r["uninterrupted"])
+        print(f"resumed vs uninterrupted: {diff:.3e}")
+        assert diff == 0.0

@@ -124,6 +124,9 @@ struct DeepSpeedConfig {
   // The "zeroshard" section: keys DeepSpeed does not know.
   bool ignore_unsupported = false;  // see [Note: Unsupported settings]
   std::string telemetry_file;       // empty: none
+  // bf16 with check_grad_overflow: "zeroshard": {"on_nonfinite": "raise"} makes a
+  // step with inf/NaN gradients an error on every rank instead of a skip.
+  bool raise_on_nonfinite = false;
 
   // One line per setting zeroshard does not implement yet, e.g.
   //   zero_optimization.offload_optimizer.device = "cpu" is not supported yet by zeroshard (...)
