@@ -39,6 +39,7 @@ py::list register_unit_hooks(py::object optimizer, py::object module, int64_t un
     py::gil_scoped_release release;  // see [Note: GIL and collectives] in module.cpp
     opt.unit_pre_forward(unit);
   });
+  // With always_call, torch passes output=None when the forward raised.
   py::cpp_function post_hook([optimizer, unit](py::object, py::object, py::object output) {
     auto& opt = optimizer.cast<ZeroOptimizer&>();
     std::vector<at::Tensor> tensors;
@@ -49,9 +50,12 @@ py::list register_unit_hooks(py::object optimizer, py::object module, int64_t un
     }
     opt.unit_post_forward(unit);
   });
+  // The gather runs before any pre-hook the user registered (they may read the
+  // parameters), and the release runs even when the forward raises, so an
+  // exception does not leave the unit referenced for good.
   py::list handles;
-  handles.append(module.attr("register_forward_pre_hook")(pre_hook));
-  handles.append(module.attr("register_forward_hook")(post_hook));
+  handles.append(module.attr("register_forward_pre_hook")(pre_hook, py::arg("prepend") = true));
+  handles.append(module.attr("register_forward_hook")(post_hook, py::arg("always_call") = true));
   return handles;
 }
 

@@ -159,6 +159,11 @@ bool Engine::step() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_.step();
   const bool skipped = optimizer_.last_step_skipped();
+  if (skipped && config_.raise_on_nonfinite) {
+    // Leave a clean window for a caller that catches the error.
+    optimizer_.zero_grad();
+    loss_sum_ = at::Tensor();
+  }
   // Every rank saw the same flag, so every rank raises.
   TORCH_CHECK(!(skipped && config_.raise_on_nonfinite), "step ", global_steps_,
               ": the gradients hold inf or NaN on some rank (bf16.check_grad_overflow with "

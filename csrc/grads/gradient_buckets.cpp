@@ -37,6 +37,7 @@ GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& co
     const GroupLayout& group = layout_.group(g);
     buckets_[g].resize(group.buckets().size());
     reported_[g].assign(group.num_params(), false);
+    expects_gradient_.emplace_back(group.num_params(), true);
     for (size_t b = 0; b < group.buckets().size(); ++b) {
       order_.emplace_back(g, b);
     }
@@ -56,10 +57,31 @@ void GradientBuckets::start_round() {
       state.pending = 0;
       state.launched = false;
       for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
-        state.pending += group.slots()[s].numel > 0 ? 1 : 0;
+        const ParamSlot& slot = group.slots()[s];
+        state.pending += slot.numel > 0 && expects_gradient_[g][slot.param_index] ? 1 : 0;
       }
     }
   }
+}
+
+void GradientBuckets::set_expects_gradient(std::vector<std::vector<bool>> expects_gradient) {
+  TORCH_INTERNAL_ASSERT(expects_gradient.size() == buckets_.size() && !round_started_);
+  expects_gradient_ = std::move(expects_gradient);
+  start_round();
+}
+
+void GradientBuckets::abandon_round() {
+  wait_all();
+  for (auto& group : buckets_) {
+    for (auto& state : group) {
+      if (state.staging.defined()) {
+        release_staging(state.staging);
+        state.staging = at::Tensor();
+      }
+    }
+  }
+  start_round();
+  reset();
 }
 
 void GradientBuckets::ensure_staging(size_t g, size_t b) {

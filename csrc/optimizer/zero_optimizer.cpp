@@ -156,6 +156,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
+  set_bucket_expectations();
   bool waiting_for_adoption = false;
   for (const auto& group : replacements_) {
     for (const auto& replacement : group) {
@@ -165,6 +166,19 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   if (options_.stage() >= 2 && !waiting_for_adoption) {
     install_gradient_hooks();
   }
+}
+
+// Frozen parameters (requires_grad false) never deliver a gradient; buckets
+// must not wait for them, or every later bucket would wait for the end of
+// backward (and, at stage 3, stay gathered).
+void ZeroOptimizer::set_bucket_expectations() {
+  std::vector<std::vector<bool>> expects(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const auto& param : param_groups_[g].params()) {
+      expects[g].push_back(param.requires_grad());
+    }
+  }
+  buckets_->set_expects_gradient(std::move(expects));
 }
 
 void ZeroOptimizer::install_gradient_hooks() {
@@ -282,6 +296,10 @@ void ZeroOptimizer::validate_parameters() const {
       TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g, " is on ",
                         param.device(), " but the first parameter is on ", *device,
                         "; all parameters must be on one device");
+      TORCH_CHECK_VALUE(param.is_meta() == param_groups_[0].params()[0].is_meta(), "parameter ", i,
+                        " of group ", g,
+                        " is on the meta device and others are not (or the reverse); build the "
+                        "whole model on the meta device for partitioned construction");
       TORCH_CHECK_VALUE(!param.is_meta() || options_.stage() == 3, "parameter ", i, " of group ", g,
                         " is on the meta device; only stage 3 materializes meta parameters "
                         "(partitioned construction). Materialize the model or use stage=3");
@@ -547,9 +565,19 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
 void ZeroOptimizer::zero_grad(bool set_to_none) {
   Optimizer::zero_grad(set_to_none);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
-  if (!buckets_->round_open()) {
-    clear_gradient_shards();
+  if (buckets_->round_open()) {
+    // Only a backward pass that failed midway (an exception, e.g. out of
+    // memory) leaves a round open here: its end-of-backward never ran.
+    buckets_->abandon_round();
+    if (hooks_) {
+      hooks_->forget_backwards();
+    }
+    if (gatherer_) {
+      gatherer_->backward_finished();
+    }
   }
+  clear_gradient_shards();
+  unsynced_gradients_ = false;
 }
 
 void ZeroOptimizer::clear_gradient_shards() {
@@ -567,6 +595,7 @@ void ZeroOptimizer::clear_gradient_shards() {
 
 void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
   if (!gradient_sync_) {
+    unsynced_gradients_ = true;
     return;  // no_sync: the gradient stays in .grad
   }
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
@@ -644,7 +673,12 @@ void ZeroOptimizer::finish_gradient_reduction() {
   } else {
     // Gradients still in .grad (accumulated under no_sync) and buckets not yet
     // launched go now; a rank whose backward produced no gradient at all still
-    // issues the round the other ranks issued.
+    // issues the round the other ranks issued. no_sync after a synced pass
+    // needs a round of its own (every rank ran the same passes).
+    if (unsynced_gradients_) {
+      buckets_->require_round();
+      unsynced_gradients_ = false;
+    }
     buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
                     /*force_round=*/true);
   }
@@ -949,16 +983,20 @@ void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>&
       TORCH_CHECK_VALUE(given.defined() && given.sizes() == current[i].sizes(),
                         "adopt_parameters: parameter ", i, " of group ", g, " must keep its shape ",
                         current[i].sizes());
-      if (replacement.defined()) {
-        TORCH_CHECK_VALUE(given.is_alias_of(replacement), "adopt_parameters: parameter ", i,
-                          " of group ", g,
-                          " must share storage with replacement_parameters()[g][i] (wrap "
-                          "it, e.g. torch.nn.Parameter(replacement), do not copy it)");
-      }
-      current[i] = given;
+      TORCH_CHECK_VALUE(
+          replacement.defined() ? given.is_alias_of(replacement) : given.is_same(current[i]),
+          "adopt_parameters: parameter ", i, " of group ", g,
+          " must be replacement_parameters()[g][i] wrapped (e.g. "
+          "torch.nn.Parameter(replacement), not a copy), or the parameter itself "
+          "where there is no replacement");
     }
-    replacements_[g].assign(current.size(), at::Tensor());
   }
+  // Everything checked: commit.
+  for (size_t g = 0; g < params.size(); ++g) {
+    param_groups_[g].params() = params[g];
+    replacements_[g].assign(params[g].size(), at::Tensor());
+  }
+  set_bucket_expectations();
   if (options_.stage() >= 2) {
     install_gradient_hooks();
   }

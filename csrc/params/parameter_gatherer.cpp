@@ -168,7 +168,7 @@ int64_t ParameterGatherer::unit_missing_numel(int64_t unit) const {
 void ParameterGatherer::record_and_prefetch(int64_t unit) {
   current_order_.push_back(unit);
   // Loops without step() (evaluation) rotate the plan themselves.
-  if (current_order_.size() > 4 * (previous_order_.size() + unit_names_.size()) + 64) {
+  if (current_order_.size() > 16 * unit_names_.size() + 64) {
     previous_order_ = std::move(current_order_);
     current_order_.clear();
     cursor_ = 0;

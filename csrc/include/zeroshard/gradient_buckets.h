@@ -48,6 +48,11 @@ class GradientBuckets {
                   size_t max_in_flight, bool launch_eagerly = true,
                   BucketComplete on_complete = nullptr);
 
+  // Parameters that never receive a gradient (requires_grad false): a bucket
+  // does not wait for them (their slots are reduced as zeros). Call before the
+  // first gradient; defaults to every parameter.
+  void set_expects_gradient(std::vector<std::vector<bool>> expects_gradient);
+
   // Copies the full gradient of parameter `index` of group `group` into its
   // bucket and launches every bucket that is now complete and next in order.
   void add_gradient(size_t group, int64_t index, const at::Tensor& grad);
@@ -68,6 +73,14 @@ class GradientBuckets {
   // Starts a new accumulation window: forgets which parameters reported.
   // Call only with nothing in flight and no round open.
   void reset();
+
+  // After a backward pass failed midway (its end-of-backward never ran):
+  // waits for what was launched, drops staged gradients and the open round.
+  void abandon_round();
+
+  // Makes the next flush(force_round) run a round even if one already ran
+  // since reset() (gradients accumulated under no_sync after a synced pass).
+  void require_round() { rounds_since_reset_ = 0; }
 
   // Whether the parameter delivered a gradient since the last reset().
   bool reported(size_t group, int64_t index) const { return reported_[group][index]; }
@@ -113,7 +126,8 @@ class GradientBuckets {
   bool round_started_ = false;
   int64_t rounds_since_reset_ = 0;
   std::deque<InFlight> in_flight_;
-  std::vector<std::vector<bool>> reported_;  // [group][param]
+  std::vector<std::vector<bool>> reported_;          // [group][param]
+  std::vector<std::vector<bool>> expects_gradient_;  // [group][param]
   int64_t live_staging_bytes_ = 0;
   int64_t peak_staging_bytes_ = 0;
 };

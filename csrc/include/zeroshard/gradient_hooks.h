@@ -35,6 +35,11 @@ class GradientHooks {
   // From inside a backward pass (e.g. a tensor hook): makes sure
   // on_backward_end runs when this graph task ends.
   void track_current_backward();
+  // After a backward pass failed: its end callback never runs, so forget it.
+  void forget_backwards() {
+    std::lock_guard<std::mutex> lock(queued_mutex_);
+    queued_graph_tasks_.clear();
+  }
 
  private:
   void fired(size_t group, int64_t index, const at::Tensor& param);

@@ -27,6 +27,7 @@
 
 #include "zeroshard/zero_optimizer.h"
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
 
 #include <memory>
@@ -44,7 +45,14 @@ class UnitScope {
   UnitScope(ZeroOptimizer& optimizer, int64_t unit) : optimizer_(optimizer), unit_(unit) {
     optimizer_.unit_pre_forward(unit_);
   }
-  ~UnitScope() { optimizer_.unit_post_forward(unit_); }
+  // A destructor must not throw (it may run while an exception unwinds).
+  ~UnitScope() {
+    try {
+      optimizer_.unit_post_forward(unit_);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "zeroshard::UnitScope: releasing unit " << unit_ << " failed: " << e.what();
+    }
+  }
   UnitScope(const UnitScope&) = delete;
   UnitScope& operator=(const UnitScope&) = delete;
 

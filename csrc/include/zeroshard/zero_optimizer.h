@@ -200,6 +200,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
                                                  std::vector<std::vector<at::Tensor>>& unit_params);
   void build_stage3_shards(size_t group);
   void install_gradient_hooks();
+  void set_bucket_expectations();
   std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
   c10::Device device() const { return device_; }
   void validate_parameters() const;
@@ -247,6 +248,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   bool last_step_skipped_ = false;
   int64_t skipped_steps_ = 0;
   bool gradient_sync_ = true;
+  bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
 };
 
 }  // namespace zeroshard

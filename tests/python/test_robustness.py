@@ -1,0 +1,166 @@
+"""Training loops that go off the happy path: frozen parameters, an exception in
+forward or backward that the loop catches, no_sync after a synced backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+
+from dist_harness import run_ranks, unwrap
+from tiny_models import SEQ, VOCAB, assert_ranks_match_reference, make_gpt, snapshot
+
+STEPS = 5
+BATCH = 12
+
+
+def batch(step: int, micro: int, rank: int, world_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(40_000 + 100 * step + micro)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    per_rank = BATCH // world_size
+    return tokens[rank * per_rank : (rank + 1) * per_rank]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
+
+
+def frozen_model() -> nn.Module:
+    model = make_gpt(seed=0)
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)  # e.g. a frozen backbone layer
+    return model
+
+
+def _frozen(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    model = frozen_model()
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), "adamw", stage=stage, lr=1e-2, reduce_bucket_size=64, **extra
+    )
+    optimizer.set_event_log_enabled(True)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, batch(step, 0, rank, world_size)).backward()
+        if step == 0:
+            log = optimizer.event_log()
+        optimizer.step()
+    with optimizer.gathered_parameters():
+        return {"params": snapshot(model), "log": log}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_do_not_hold_back_the_other_buckets(stage: int) -> None:
+    results = unwrap(run_ranks(2, _frozen, stage))
+    model = frozen_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, batch(step, 0, 0, 1)).backward()
+        optimizer.step()
+    assert_ranks_match_reference(
+        [r["params"] for r in results], snapshot(model), 1e-6, f"frozen stage {stage}"
+    )
+    log = results[0]["log"]
+    launches = [i for i, e in enumerate(log) if e[0] == "launch" and e[1] == "reduce_scatter"]
+    hooks = [i for i, e in enumerate(log) if e[0] == "grad_ready"]
+    print(f"stage {stage}: first reduce-scatter at event {launches[0]}, last hook {hooks[-1]}")
+    # Buckets launch during backward although a block never reports a gradient.
+    assert launches[0] < hooks[-1]
+
+
+class InjectedError(Exception):
+    pass
+
+
+def _recover(rank: int, world_size: int, stage: int, where: str) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, lr=1e-2, **extra)
+    failures = 0
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        tokens = batch(step, 0, rank, world_size)
+        try:
+            if step == 2 and where == "forward":
+                handle = model.blocks[1].mix.register_forward_hook(_raise)
+                try:
+                    loss_of(model, tokens)
+                finally:
+                    handle.remove()
+            loss = loss_of(model, tokens)
+            if step == 2 and where == "backward":
+                # Fails halfway through backward, after some gradients arrived.
+                model.blocks[0].mix.weight.register_hook(_raise_once())
+            loss.backward()
+        except InjectedError:
+            failures += 1
+            continue  # the loop drops this batch, as users do after e.g. an OOM
+        optimizer.step()
+    gathered = optimizer.gathered_parameter_bytes()
+    with optimizer.gathered_parameters():
+        return {"params": snapshot(model), "failures": failures, "gathered": gathered}
+
+
+def _raise(*_: Any) -> None:
+    raise InjectedError("injected")
+
+
+def _raise_once():
+    fired = {"done": False}
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not fired["done"]:
+            fired["done"] = True
+            raise InjectedError("injected")
+        return grad
+
+    return hook
+
+
+@pytest.mark.parametrize(("stage", "where"), [(2, "backward"), (3, "forward"), (3, "backward")])
+def test_a_caught_exception_in_forward_or_backward_does_not_poison_training(stage, where) -> None:
+    results = unwrap(run_ranks(2, _recover, stage, where))
+    model = make_gpt(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        if step == 2:
+            continue
+        optimizer.zero_grad()
+        loss_of(model, batch(step, 0, 0, 1)).backward()
+        optimizer.step()
+    for r in results:
+        assert r["failures"] == 1
+        if stage == 3:
+            assert r["gathered"] == 0  # nothing left gathered between steps
+    assert_ranks_match_reference(
+        [r["params"] for r in results], snapshot(model), 1e-6, f"recover stage {stage} {where}"
+    )
+
+
+def _synced_then_no_sync(rank: int, world_size: int) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), "sgd", stage=2, lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        (loss_of(model, batch(step, 0, rank, world_size)) / 2).backward()
+        with optimizer.no_sync():  # after the synced pass: must still be reduced at step()
+            (loss_of(model, batch(step, 1, rank, world_size)) / 2).backward()
+        optimizer.step()
+    return snapshot(model)
+
+
+def test_no_sync_after_a_synced_backward_is_reduced_at_step() -> None:
+    results = unwrap(run_ranks(2, _synced_then_no_sync))
+    model = make_gpt(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(2):
+            (loss_of(model, batch(step, micro, 0, 1)) / 2).backward()
+        optimizer.step()
+    assert_ranks_match_reference(results, snapshot(model), 1e-6, "synced then no_sync")
