@@ -42,7 +42,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-ZEROSHARD = ["zeroshard_stage1", "zeroshard_stage2", "zeroshard_stage3"]
+ZEROSHARD = [
+    "zeroshard_stage1",
+    "zeroshard_stage2",
+    "zeroshard_stage3",
+    "zeroshard_stage3_nowindow",
+]
 PEERS = ["ddp_adamw", "zero_redundancy_optimizer", "fsdp2"]
 DEEPSPEED = ["deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"]
 
@@ -95,9 +100,13 @@ class Variant:
             import zeroshard
             from train_gpt import Block
 
-            stage = int(name[-1])
+            stage = int(name[len("zeroshard_stage")])
             # Stage 3 units as FSDP2 is wrapped below: each block, and the rest.
+            # "nowindow": no prefetch and no reuse window, every unit released
+            # right after use (least memory, 3x the parameters gathered per step).
             stage3 = {"module": model, "unit_classes": (Block,)} if stage == 3 else {}
+            if name.endswith("nowindow"):
+                stage3["stage3_prefetch_bucket_size"] = 0
             self.optimizer = zeroshard.ZeroOptimizer(
                 model.parameters(),
                 "adamw",
@@ -191,7 +200,7 @@ def _run_variant(
     variant = Variant(name, model, args)
     if name == "fsdp2":
         param_bytes = tensor_bytes(model.parameters())  # sharded between steps
-    elif name == "zeroshard_stage3":
+    elif name.startswith("zeroshard_stage3"):
         param_bytes = variant.optimizer.parameter_bytes()  # shards + persistent
     elif name.startswith("deepspeed_stage3"):
         param_bytes = tensor_bytes(p.ds_tensor for p in model.parameters())  # partitions

@@ -128,7 +128,9 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     comm_->set_order_check_enabled(options_.check_collective_order());
     std::vector<std::vector<BucketId>> unit_buckets;
     for (const auto& params : unit_params) {
-      unit_buckets.push_back(buckets_of(params));
+      // A unit whose parameters are all persistent gathers nothing (an empty
+      // list means "every parameter" to buckets_of).
+      unit_buckets.push_back(params.empty() ? std::vector<BucketId>{} : buckets_of(params));
     }
     gatherer_ = std::make_unique<ParameterGatherer>(
         *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),

@@ -221,6 +221,7 @@ void ParameterGatherer::make_room(int64_t unit) {
 }
 
 void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
+  comm_.note(in_backward ? "recompute_pre_forward" : "pre_forward", unit_names_.at(unit));
   make_room(unit);
   gather_unit(unit, /*wait=*/false);
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
@@ -235,6 +236,7 @@ void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
 }
 
 void ParameterGatherer::post_forward(int64_t unit, bool in_backward) {
+  comm_.note("post_forward", unit_names_.at(unit));
   if (in_backward) {
     return;  // held until its gradients arrive or backward ends
   }
@@ -257,6 +259,7 @@ void ParameterGatherer::pre_backward(int64_t unit) {
   if (already_held) {
     return;
   }
+  comm_.note("pre_backward", unit_names_.at(unit));
   make_room(unit);
   gather_unit(unit, /*wait=*/false);
   for (const auto& [g, b] : unit_buckets_.at(unit)) {

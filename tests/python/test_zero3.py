@@ -206,14 +206,18 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
         "no_prefetch": {"stage3_prefetch_bucket_size": 0},
         "prefetch_200": {"stage3_prefetch_bucket_size": 200},
         "max_live_150": {"stage3_prefetch_bucket_size": 10_000, "stage3_max_live_parameters": 150},
+        # Norms and biases persistent: the final norm's unit is left with no
+        # sharded parameter and must gather nothing.
+        "persistent_norms": {"stage3_prefetch_bucket_size": 0, "persist": 20},
     }.items():
         model = make_gpt(seed=0)
+        options = dict(options)
         optimizer = zeroshard.ZeroOptimizer(
             model.parameters(),
             "adamw",
             stage=3,
             module=model,
-            stage3_param_persistence_threshold=0,
+            stage3_param_persistence_threshold=options.pop("persist", 0),
             **options,
         )
         for step in range(2):  # the second step prefetches from the first one's order
@@ -229,6 +233,7 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
             "gathered": optimizer.gathered_parameter_bytes(),
         }
     out["unit_numels"] = _unit_numels(model, optimizer)
+    out["persistent_numel"] = sum(p.numel() for p in model.parameters() if p.numel() < 20)
     out["param_numel"] = sum(p.numel() for p in model.parameters())
 
     # Bytes handed to collectives per step: stage 2 vs stage 3 on the same
@@ -313,13 +318,16 @@ def test_peak_gathered_bytes_during_forward_respect_prefetch_and_live_limits(mea
         on_demand = units["<root>"] + units["head"] + biggest
         peaks = {
             label: r[label]["peak_forward"] // 4
-            for label in ("no_prefetch", "prefetch_200", "max_live_150")
+            for label in ("no_prefetch", "prefetch_200", "max_live_150", "persistent_norms")
         }
         print(f"world_size={world_size}: units {units}; peak gathered elements {peaks}")
         assert peaks["no_prefetch"] <= on_demand
         assert peaks["prefetch_200"] <= on_demand + 200
         assert peaks["prefetch_200"] > peaks["no_prefetch"], "prefetch gathered nothing ahead"
         assert peaks["max_live_150"] <= max(150, on_demand)
+        # Persistent (gathered for good) elements: every tensor under 20 elements.
+        persistent = r["persistent_numel"]
+        assert peaks["persistent_norms"] <= on_demand + persistent
 
 
 def test_stage3_traffic_is_about_one_and_a_half_times_stage2(measured) -> None:
