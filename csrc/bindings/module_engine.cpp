@@ -57,24 +57,6 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
   return out;
 }
 
-py::dict telemetry_dict(const TelemetryRecord& r) {
-  py::dict out;
-  out["step"] = r.step;
-  out["loss"] = r.loss;
-  out["lr"] = r.lr;
-  out["loss_scale"] = r.loss_scale;
-  out["skipped_steps"] = r.skipped_steps;
-  out["forward_ms"] = r.forward_ms;
-  out["backward_ms"] = r.backward_ms;
-  out["optimizer_ms"] = r.optimizer_ms;
-  out["comm_wait_share"] = r.comm_wait_share;
-  out["model_state_bytes"] = r.model_state_bytes;
-  out["peak_rss_bytes"] = r.peak_rss_bytes;
-  out["device_peak_bytes"] = r.device_peak_bytes;
-  out["line"] = r.to_line();
-  return out;
-}
-
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -129,7 +111,13 @@ void bind_engine(py::module_& m) {
       .def("last_telemetry",
            [](const Engine& self) -> py::object {
              const auto& record = self.last_telemetry();
-             return record ? py::object(telemetry_dict(*record)) : py::object(py::none());
+             if (!record) {
+               return py::object(py::none());
+             }
+             // TelemetryRecord::to_json is the one list of fields.
+             py::dict out = py::module_::import("json").attr("loads")(record->to_json());
+             out["line"] = record->to_line();
+             return py::object(out);
            })
       .def(
           "set_device_peak_source",

@@ -35,7 +35,6 @@ ZeroOptions zero_options_from_config(const DeepSpeedConfig& config) {
   if (config.zero_stage == 0) {
     options.stage(1);
   }
-  options.max_norm(config.gradient_clipping);
   options.skip_nonfinite_steps(config.fp16.enabled ||
                                (config.bf16.enabled && config.bf16.check_grad_overflow));
   return options;

@@ -56,7 +56,7 @@ ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
-  *alive_ = false;
+  alive_.reset();  // output hooks still registered on live tensors see it expire
   hooks_.reset();
   if (buckets_) {
     try {
@@ -99,6 +99,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
                       "units are a stage 3 feature; this optimizer has stage ", options_.stage());
     validate_parameters();
+    index_parameters();
     if (options_.stage() == 3) {
       param_units = assign_units(units, unit_names, unit_params);
     }
@@ -196,14 +197,10 @@ void ZeroOptimizer::install_gradient_hooks() {
 std::vector<std::vector<int64_t>> ZeroOptimizer::assign_units(
     const std::vector<ParameterUnit>& units, std::vector<std::string>& unit_names,
     std::vector<std::vector<at::Tensor>>& unit_params) {
-  std::unordered_map<const void*, std::pair<size_t, size_t>> index_of;
+  const auto& index_of = param_index_;
   std::vector<std::vector<int64_t>> param_units(param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto& params = param_groups_[g].params();
-    param_units[g].assign(params.size(), kNoUnit);
-    for (size_t i = 0; i < params.size(); ++i) {
-      index_of.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
-    }
+    param_units[g].assign(param_groups_[g].params().size(), kNoUnit);
   }
   for (size_t u = 0; u < units.size(); ++u) {
     const ParameterUnit& unit = units[u];
@@ -232,6 +229,16 @@ std::vector<std::vector<int64_t>> ZeroOptimizer::assign_units(
   return param_units;
 }
 
+void ZeroOptimizer::index_parameters() {
+  param_index_.clear();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      param_index_.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
+    }
+  }
+}
+
 std::vector<BucketId> ZeroOptimizer::buckets_of(const std::vector<at::Tensor>& params) const {
   std::vector<BucketId> buckets;
   auto add = [&](size_t g, size_t i) {
@@ -252,13 +259,7 @@ std::vector<BucketId> ZeroOptimizer::buckets_of(const std::vector<at::Tensor>& p
     }
     return buckets;
   }
-  std::unordered_map<const void*, std::pair<size_t, size_t>> index_of;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto& group = param_groups_[g].params();
-    for (size_t i = 0; i < group.size(); ++i) {
-      index_of.emplace(group[i].unsafeGetTensorImpl(), std::make_pair(g, i));
-    }
-  }
+  const auto& index_of = param_index_;
   for (size_t p = 0; p < params.size(); ++p) {
     const auto found = index_of.find(params[p].unsafeGetTensorImpl());
     TORCH_CHECK_VALUE(found != index_of.end(), "tensor ", p,
@@ -925,7 +926,7 @@ void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
   std::weak_ptr<bool> alive = alive_;
   // Registering on a tensor that autograd already finished with is harmless:
   // the hook never fires.
-  const_cast<at::Tensor&>(output).register_hook([this, alive, unit](const at::Tensor&) {
+  output.register_hook([this, alive, unit](const at::Tensor&) {
     if (alive.expired()) {
       return;
     }
@@ -998,6 +999,7 @@ void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>&
     param_groups_[g].params() = params[g];
     replacements_[g].assign(params[g].size(), at::Tensor());
   }
+  index_parameters();
   set_bucket_expectations();
   if (options_.stage() >= 2) {
     install_gradient_hooks();
@@ -1050,16 +1052,12 @@ int64_t ZeroOptimizer::gathered_parameter_bytes() const {
 }
 
 int64_t ZeroOptimizer::peak_gathered_parameter_bytes() const {
-  if (!gatherer_) {
-    return gathered_parameter_bytes();
-  }
-  return gatherer_->peak_live_numel() *
-         static_cast<int64_t>(c10::elementSize(shards_[0].param_options.dtype().toScalarType()));
+  return gatherer_ ? gatherer_->peak_live_bytes() : gathered_parameter_bytes();
 }
 
 void ZeroOptimizer::reset_peak_gathered_parameter_bytes() {
   if (gatherer_) {
-    gatherer_->reset_peak_live_numel();
+    gatherer_->reset_peak_live_bytes();
   }
 }
 

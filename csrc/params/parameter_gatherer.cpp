@@ -39,13 +39,13 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
       bucket.full = at::empty({buckets[b].numel}, group_options_[g]);
       bucket.persistent = buckets[b].unit == kNoUnit;
       bucket.materialized = true;
-      live_numel_ += buckets[b].numel;
+      count_live(bucket, +1);
       // Free it before the next allocation, so that the buckets, filled one at
       // a time at construction, reuse one block instead of each touching its own.
       release(g, b);
     }
   }
-  peak_live_numel_ = live_numel_;
+  peak_live_bytes_ = live_bytes_;
 }
 
 void ParameterGatherer::ensure_allocated(size_t g, size_t b) {
@@ -61,16 +61,10 @@ std::string ParameterGatherer::tag(size_t g, size_t b) const {
          std::to_string(g) + "/bucket" + std::to_string(b);
 }
 
-int64_t ParameterGatherer::live_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& group : buckets_) {
-    for (const auto& bucket : group) {
-      if (bucket.materialized) {
-        bytes += bucket.full.numel() * static_cast<int64_t>(bucket.full.element_size());
-      }
-    }
-  }
-  return bytes;
+void ParameterGatherer::count_live(const BucketState& bucket, int64_t sign) {
+  live_numel_ += sign * bucket.full.numel();
+  live_bytes_ += sign * bucket.full.numel() * static_cast<int64_t>(bucket.full.element_size());
+  peak_live_bytes_ = std::max(peak_live_bytes_, live_bytes_);
 }
 
 // See [Note: Released parameters]. The storage object stays (so every view
@@ -83,8 +77,7 @@ void ParameterGatherer::allocate(BucketState& bucket) {
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
   bucket.materialized = true;
-  live_numel_ += bucket.full.numel();
-  peak_live_numel_ = std::max(peak_live_numel_, live_numel_);
+  count_live(bucket, +1);
 }
 
 void ParameterGatherer::release(size_t g, size_t b) {
@@ -97,7 +90,7 @@ void ParameterGatherer::release(size_t g, size_t b) {
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.full.device()));
   storage->set_nbytes(0);
   bucket.materialized = false;
-  live_numel_ -= bucket.full.numel();
+  count_live(bucket, -1);
 }
 
 // A bucket the plan uses again within the prefetch window stays gathered

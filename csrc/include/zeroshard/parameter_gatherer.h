@@ -110,12 +110,12 @@ class ParameterGatherer {
   // Buckets built from real parameters at construction need no initialization.
   void mark_initialized(size_t group, size_t bucket) { state(group, bucket).initialized = true; }
 
-  // Elements of gathered parameter storage now (persistent buckets included),
-  // and the largest value since the last reset.
+  // Elements of gathered parameter storage now (persistent buckets included).
   int64_t live_numel() const { return live_numel_; }
-  int64_t peak_live_numel() const { return peak_live_numel_; }
-  void reset_peak_live_numel() { peak_live_numel_ = live_numel_; }
-  int64_t live_bytes() const;
+  // The same in bytes (groups may differ in dtype), and its peak.
+  int64_t live_bytes() const { return live_bytes_; }
+  int64_t peak_live_bytes() const { return peak_live_bytes_; }
+  void reset_peak_live_bytes() { peak_live_bytes_ = live_bytes_; }
 
   // Allocates a released bucket's storage without filling it.
   void ensure_allocated(size_t group, size_t bucket);
@@ -144,6 +144,7 @@ class ParameterGatherer {
   void record_and_prefetch(int64_t unit);
   int64_t unit_missing_numel(int64_t unit) const;
   void allocate(BucketState& bucket);
+  void count_live(const BucketState& bucket, int64_t sign);
   std::string tag(size_t group, size_t bucket) const;
 
   const PartitionLayout& layout_;
@@ -157,7 +158,8 @@ class ParameterGatherer {
   int64_t prefetch_numel_;
   int64_t max_live_numel_;
   int64_t live_numel_ = 0;
-  int64_t peak_live_numel_ = 0;
+  int64_t live_bytes_ = 0;
+  int64_t peak_live_bytes_ = 0;
   // Prefetch plan: the units gathered on demand during the last iteration,
   // in order, and how far this iteration has followed it.
   std::vector<int64_t> previous_order_;

@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -201,6 +202,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void build_stage3_shards(size_t group);
   void install_gradient_hooks();
   void set_bucket_expectations();
+  // Fills param_index_ from param_groups_ (after validation and adoption).
+  void index_parameters();
   std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
   c10::Device device() const { return device_; }
   void validate_parameters() const;
@@ -237,7 +240,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
   std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only
   std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
-  // Lets output hooks that outlive the optimizer find out it is gone.
+  // Parameter (by TensorImpl) -> (group, index): units and pins name tensors.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
+  // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   // Hooks (backward thread) vs. the training thread; recursive because a
   // gradient hook can complete a bucket whose release the gatherer handles.
