@@ -18,6 +18,7 @@ def core_sources() -> list[str]:
     patterns = [
         "csrc/layout/*.cpp",
         "csrc/comm/communicator.cpp",
+        "csrc/comm/rank_health.cpp",
         "csrc/optim/*.cpp",
         "csrc/grads/*.cpp",
         "csrc/params/*.cpp",

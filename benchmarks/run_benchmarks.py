@@ -44,7 +44,9 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 ZEROSHARD = [
     "zeroshard_stage1",
+    "zeroshard_stage1_rsallreduce",
     "zeroshard_stage2",
+    "zeroshard_stage2_rsallreduce",
     "zeroshard_stage3",
     "zeroshard_stage3_nowindow",
 ]
@@ -107,6 +109,11 @@ class Variant:
             stage3 = {"module": model, "unit_classes": (Block,)} if stage == 3 else {}
             if name.endswith("nowindow"):
                 stage3["stage3_prefetch_bucket_size"] = 0
+            # "rsallreduce": Gloo's reduce-scatter as c10d emulates it (an
+            # all-reduce, twice the bytes on the wire) instead of zeroshard's
+            # all-to-all plus local sum, to show what the all-to-all buys.
+            if name.endswith("_rsallreduce"):
+                stage3["gloo_reduce_scatter_all_to_all"] = False
             self.optimizer = zeroshard.ZeroOptimizer(
                 model.parameters(),
                 "adamw",
@@ -364,7 +371,11 @@ def main() -> None:
         "states are a lower bound (≥)",
         "- collective bytes: the buffers handed to collectives per step; zeroshard's are "
         "measured by its counters, the peers' follow from their algorithm (marked). Gloo has "
-        "no native reduce-scatter (it all-reduces underneath), which costs ZeRO on CPU.",
+        "no native reduce-scatter: c10d emulates it with an all-reduce (each rank sends "
+        "2(W-1)/W of the buffer); zeroshard's default reduce-scatter on Gloo is one "
+        "all-to-all plus a local sum ((W-1)/W, as a ring reduce-scatter), the "
+        "`_rsallreduce` rows use c10d's emulation. Same bytes handed over, half on the wire. "
+        "FSDP2 and DeepSpeed use the emulation.",
         "",
         "| variant | median step (ms) | model states (MiB) | gradients (MiB) | "
         "optimizer state (MiB) | peak RSS (MiB) | collective MiB/step |",

@@ -173,10 +173,11 @@ def main() -> None:
                     f"{memory}",
                     flush=True,
                 )
-    # Drop the optimizer (it holds the process group) before destroying the
-    # group: a Gloo group freed during interpreter teardown can abort the
-    # process ("terminate called without an active exception").
-    del scheduler, optimizer
+    # Drop what holds the process group (the optimizer, and at stage 3 the
+    # model, whose hooks keep the optimizer) before destroying the group, so
+    # that destroy_process_group() frees it and joins Gloo's threads now
+    # rather than during interpreter exit.
+    del scheduler, optimizer, model
     dist.destroy_process_group()
 
 

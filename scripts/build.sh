@@ -4,8 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh
+mkdir -p build
 
-"$PYTHON" setup.py -q build_ext --inplace 2>&1 | grep -vE "^(running|copying|ccache g\+\+|\[[0-9]+/[0-9]+\])" || true
+# A failed compile must fail here: an older _C*.so left in place would
+# otherwise run the tests against stale code.
+"$PYTHON" setup.py -q build_ext --inplace >build/setup.log 2>&1 || {
+  grep -vE "^(running|copying|ccache g\+\+|\[[0-9]+/[0-9]+\])" build/setup.log | tail -60
+  echo "[zeroshard] building the Python extension failed (full log: build/setup.log)"
+  exit 1
+}
 ls python/zeroshard/_C*.so >/dev/null
 
 if [ "${ZEROSHARD_SKIP_CMAKE:-0}" != "1" ]; then

@@ -7,11 +7,6 @@ cd "$(dirname "$0")/.."
 ZEROSHARD_SKIP_CMAKE=1 bash scripts/build.sh
 source scripts/ensure_env.sh
 NPROC="${NPROC:-2}"
-# torch 2.11's FlightRecorder (a debugging trace of collectives) sometimes
-# aborts the process at exit after a run with zeroshard ("terminate called
-# without an active exception", ~1 run in 5 on 2 Gloo ranks; never with it
-# off). Off by default here; set TORCH_FR_BUFFER_SIZE to turn it back on.
-export TORCH_FR_BUFFER_SIZE="${TORCH_FR_BUFFER_SIZE:-0}"
 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
   examples/train_gpt.py "$@"

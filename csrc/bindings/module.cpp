@@ -9,6 +9,9 @@
 
 #include <pybind11/stl.h>
 
+// After torch's pybind11 setup above.
+#include "no_gil_delete.h"
+
 namespace py = pybind11;
 
 namespace zeroshard {
@@ -118,6 +121,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.skip_nonfinite_steps(value.cast<bool>());
     } else if (key == "reduce_in_fp32") {
       options.reduce_in_fp32(value.cast<bool>());
+    } else if (key == "gloo_reduce_scatter_all_to_all") {
+      options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
@@ -127,7 +132,7 @@ ZeroOptions zero_options_from(const py::dict& values) {
   return options;
 }
 
-std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
+NoGilHolder<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
     const std::vector<py::dict>& group_hyperparameters, const py::dict& zero_options,
@@ -148,8 +153,8 @@ std::unique_ptr<ZeroOptimizer> make_zero_optimizer(
   }
   // See [Note: GIL and collectives].
   py::gil_scoped_release release;
-  return std::make_unique<ZeroOptimizer>(param_groups, process_group, *defaults, options,
-                                         std::move(parameter_units));
+  return NoGilHolder<ZeroOptimizer>(new ZeroOptimizer(param_groups, process_group, *defaults,
+                                                      options, std::move(parameter_units)));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -284,7 +289,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fused") = false,
       "One inner-optimizer update of flat fp32 tensors in place (for benchmarks and tests).");
 
-  py::class_<ZeroOptimizer> optimizer_class(m, "ZeroOptimizer");
+  // A failed collective is torch.distributed.DistBackendError in Python, from
+  // step() as from a backward hook (where autograd translates it).
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) {
+        std::rethrow_exception(error);
+      }
+    } catch (const c10::DistBackendError& e) {
+      py::object type = py::module_::import("torch.distributed").attr("DistBackendError");
+      PyErr_SetString(type.ptr(), e.what_without_backtrace());
+    }
+  });
+  py::class_<ZeroOptimizer, zeroshard::NoGilHolder<ZeroOptimizer>> optimizer_class(m,
+                                                                                   "ZeroOptimizer");
   zeroshard::bind_module_hooks(m);
   zeroshard::bind_engine(m);
   optimizer_class
@@ -326,6 +344,18 @@ PYBIND11_MODULE(_C, m) {
           py::arg("set_to_none") = true, py::call_guard<py::gil_scoped_release>())
       .def("clip_grad_norm", &ZeroOptimizer::clip_grad_norm, py::arg("max_norm"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_failure_store",
+          [](ZeroOptimizer& self, const c10::intrusive_ptr<c10d::Store>& store,
+             const std::string& prefix, double report_seconds) {
+            self.communicator().set_failure_store(
+                store, prefix,
+                std::chrono::milliseconds(static_cast<int64_t>(report_seconds * 1000)));
+          },
+          py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
+          "Where ranks report a failed collective, so errors name the lost ranks.")
+      .def("retired_work_count",
+           [](ZeroOptimizer& self) { return self.communicator().retired_work_count(); })
       .def("set_gradient_sync", &ZeroOptimizer::set_gradient_sync, py::arg("enabled"))
       .def("gradient_sync", &ZeroOptimizer::gradient_sync)
       .def("gradient_bytes", &ZeroOptimizer::gradient_bytes)

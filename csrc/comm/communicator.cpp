@@ -1,9 +1,12 @@
 #include "zeroshard/communicator.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <thread>
 
 namespace zeroshard {
 namespace {
@@ -30,19 +33,71 @@ const char* collective_kind_name(CollectiveKind kind) {
   return "unknown";
 }
 
+PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept {
+  if (this != &other) {
+    retire();
+    work_ = std::move(other.work_);
+    kind_ = other.kind_;
+    bytes_ = other.bytes_;
+    tag_ = std::move(other.tag_);
+    owner_ = other.owner_;
+    received_ = std::move(other.received_);
+    output_ = std::move(other.output_);
+  }
+  return *this;
+}
+
+void PendingCollective::retire() noexcept {
+  if (work_ && owner_ != nullptr) {
+    try {
+      owner_->retired_.push_back(std::move(work_));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory; the worker may free it
+    }
+  }
+  work_.reset();
+}
+
 void PendingCollective::wait() {
   if (!work_) {
     return;
   }
   const auto start = std::chrono::steady_clock::now();
-  work_->wait();
-  work_.reset();
-  if (stats_ != nullptr) {
-    stats_->wait_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  try {
+    if (owner_ != nullptr) {
+      owner_->set_waiting(true);
+    }
+    work_->wait();
+    if (owner_ != nullptr) {
+      owner_->set_waiting(false);
+    }
+  } catch (const std::exception& e) {  // Gloo rethrows its own IoException, not a c10::Error
+    retire();
+    if (owner_ == nullptr) {
+      throw;
+    }
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    owner_->raise_collective_failure(std::string(collective_kind_name(kind_)) + " '" + tag_ +
+                                         "' of " + std::to_string(bytes_) + " bytes",
+                                     error ? error->what_without_backtrace() : e.what());
   }
-  if (log_ != nullptr) {
-    log_->push_back(CommEvent{"wait", kind_, bytes_, tag_});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (owner_ != nullptr) {
+    owner_->on_waited(kind_, bytes_, tag_, seconds);
+  }
+  retire();
+  if (received_.defined()) {
+    at::sum_out(output_, received_, /*dim=*/0);
+    received_ = at::Tensor();
+    output_ = at::Tensor();
+  }
+}
+
+void Communicator::on_waited(CollectiveKind kind, int64_t bytes, const std::string& tag,
+                             double seconds) {
+  stats_.wait_seconds += seconds;
+  if (log_enabled_) {
+    log_.push_back(CommEvent{"wait", kind, bytes, tag});
   }
 }
 
@@ -51,6 +106,69 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
   TORCH_CHECK_VALUE(process_group_, "zeroshard needs a process group; got a null one");
   rank_ = process_group_->getRank();
   world_size_ = process_group_->getSize();
+}
+
+Communicator::~Communicator() {
+  // The worker drops its reference microseconds after completing the Work;
+  // a worker that never does (a hung backend) must not hang the exit, so after
+  // the deadline the remaining Works are leaked rather than left to it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (release_finished_work() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  for (auto& work : retired_) {
+    work.release();  // NOLINT(bugprone-unused-return-value): leaked on purpose
+  }
+}
+
+void Communicator::set_failure_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix,
+                                     std::chrono::milliseconds report_window) {
+  health_.reset();
+  if (store && world_size_ > 1) {
+    health_ = std::make_unique<RankHealth>(std::move(store), std::move(prefix), rank_, world_size_,
+                                           report_window);
+  }
+}
+
+void Communicator::raise_collective_failure(const std::string& description,
+                                            const std::string& cause) {
+  std::string who;
+  if (health_) {
+    const std::optional<std::vector<int64_t>> lost = health_->lost_ranks(step_);
+    if (!lost) {
+      who = "the store is unreachable (its host rank may be the one lost); ";
+    } else if (lost->empty()) {
+      who = "every rank reported a failure; ";
+    } else {
+      who = lost->size() == 1 ? "rank " : "ranks ";
+      for (size_t i = 0; i < lost->size(); ++i) {
+        who += (i ? ", " : "") + std::to_string((*lost)[i]);
+      }
+      who += lost->size() == 1 ? " is" : " are";
+      who += " lost (killed, crashed, or stalled outside collectives while the others waited; " +
+             std::to_string(health_->report_window().count()) + " ms of watching); ";
+    }
+  }
+  C10_THROW_ERROR(DistBackendError,
+                  "zeroshard: rank " + std::to_string(rank_) + " of " +
+                      std::to_string(world_size_) + ": " + description + " failed at step " +
+                      std::to_string(step_) + ": " + who +
+                      "a rank that stops stops every other rank at its next collective (bounded "
+                      "by the process group's timeout). Cause: " +
+                      cause);
+}
+
+size_t Communicator::release_finished_work() {
+  size_t kept = 0;
+  for (auto& work : retired_) {
+    if (work.use_count() > 1) {
+      retired_[kept++] = std::move(work);
+    } else {
+      work.reset();  // the last reference: destroyed on this thread
+    }
+  }
+  retired_.resize(kept);
+  return kept;
 }
 
 PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind,
@@ -75,8 +193,8 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
   if (log_enabled_) {
     log_.push_back(CommEvent{"launch", kind, bytes, tag});
   }
-  return PendingCollective(std::move(work), kind, bytes, tag, log_enabled_ ? &log_ : nullptr,
-                           &stats_);
+  release_finished_work();
+  return PendingCollective(std::move(work), kind, bytes, tag, this);
 }
 
 void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
@@ -101,12 +219,12 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
     track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, 16,
           "order_check")
         .wait();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "rank ", rank_, " timed out or failed at step ", step_, " before issuing ",
-                description,
-                ": another rank did not issue a matching collective (did the ranks run "
-                "different modules or a different number of steps?). Cause: ",
-                e.what_without_backtrace());
+  } catch (const c10::DistBackendError& e) {
+    // Already names the lost ranks; say what this rank was about to do.
+    C10_THROW_ERROR(DistBackendError,
+                    std::string(e.what_without_backtrace()) + " (before issuing " + description +
+                        "; if no rank was lost, did the ranks run different modules or a "
+                        "different number of steps?)");
   }
   const at::Tensor extremes = tensors[0].cpu();
   const int64_t largest = extremes[0].item<int64_t>();
@@ -152,6 +270,20 @@ PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tenso
     return PendingCollective();
   }
   check_order(CollectiveKind::kReduceScatter, input, tag);
+  if (all_to_all_reduce_scatter_ && input.device().is_cpu() &&
+      process_group_->getBackend(input.device().type())->getBackendName() == "gloo") {
+    // Chunk r of the input goes to rank r; received row j came from rank j.
+    // Summing the rows in rank order is the same on every rank.
+    at::Tensor received = at::empty({world_size_, output.numel()}, input.options());
+    at::Tensor flat = received.view({-1});
+    std::vector<int64_t> equal_splits;
+    c10d::AllToAllOptions options;
+    PendingCollective pending =
+        track(process_group_->alltoall_base(flat, input, equal_splits, equal_splits, options),
+              CollectiveKind::kReduceScatter, bytes_of(input), tag);
+    pending.sum_chunks_into(std::move(received), output);
+    return pending;
+  }
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   return track(process_group_->_reduce_scatter_base(output, input, options),

@@ -1,6 +1,7 @@
 #include "zeroshard/gradient_buckets.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -128,6 +129,9 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
     target.copy_(grad.reshape({-1}));
     state.filled[slot_in_bucket] = true;
     state.pending -= 1;
+    if (state.pending == 0 && !order_adopted_) {
+      completed_.emplace_back(g, b);
+    }
     if (state.pending == 0 && on_complete_) {
       on_complete_(g, b);
     }
@@ -147,8 +151,48 @@ void GradientBuckets::launch_ready() {
     ++next_launch_;
   }
   // Every bucket of the round launched.
+  finish_round();
+}
+
+// [Note: launch order]
+// Every rank must launch the buckets' collectives in one order. The first
+// round uses layout order (reverse registration, as gradients usually
+// arrive); a bucket whose gradient comes late (a tied input embedding, a
+// parameter used early in forward) then holds back every bucket after it. So
+// after the first eager round the buckets launch in the order they completed
+// in it, rank 0's order broadcast to all (DDP rebuilds its buckets the same
+// way, from the first iteration's arrival order). Buckets that never
+// completed (unused parameters) go last, in layout order.
+void GradientBuckets::finish_round() {
   rounds_since_reset_ += 1;
+  if (launch_eagerly_ && !order_adopted_ && !completed_.empty()) {
+    adopt_completion_order();
+  }
   start_round();
+}
+
+void GradientBuckets::adopt_completion_order() {
+  order_adopted_ = true;
+  std::vector<std::pair<size_t, size_t>> order = completed_;
+  for (const auto& id : order_) {
+    if (std::find(order.begin(), order.end(), id) == order.end()) {
+      order.push_back(id);
+    }
+  }
+  completed_.clear();
+  completed_.shrink_to_fit();
+  std::vector<int64_t> flat;
+  for (const auto& [g, b] : order) {
+    flat.push_back(static_cast<int64_t>(g));
+    flat.push_back(static_cast<int64_t>(b));
+  }
+  at::Tensor agreed = at::tensor(flat, at::kLong).to(grad_options_[0].device());
+  comm_.broadcast(agreed, /*root=*/0, "bucket_order");
+  agreed = agreed.cpu();
+  const auto* data = agreed.data_ptr<int64_t>();
+  for (size_t i = 0; i < order.size(); ++i) {
+    order_[i] = {static_cast<size_t>(data[2 * i]), static_cast<size_t>(data[2 * i + 1])};
+  }
 }
 
 void GradientBuckets::launch(size_t g, size_t b) {
@@ -217,8 +261,7 @@ void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) 
     launch(g, b);
     ++next_launch_;
   }
-  rounds_since_reset_ += 1;
-  start_round();
+  finish_round();
 }
 
 void GradientBuckets::wait_all() {

@@ -79,6 +79,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
                                std::vector<ParameterUnit> units) {
   TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
+  comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
   const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
                           ? at::Tensor()
                           : param_groups_[0].params()[0];

@@ -7,6 +7,9 @@ idiomatic layer over it.
 from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, recommend
 from zeroshard.optimizer import ZeroOptimizer
+from zeroshard.teardown import release_pinned_default_groups
+
+release_pinned_default_groups()
 
 __all__ = ["Engine", "ZeroOptimizer", "estimate", "initialize", "recommend"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@
 
 #include "zeroshard/gloo_process_group.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -32,6 +33,11 @@ inline std::vector<std::string> RunRanks(
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank]() {
+      // One intra-op thread per rank, as torchrun gives each rank process
+      // (OMP_NUM_THREADS=1): ranks as threads would otherwise share ATen's
+      // pool and MKL's threads, and a kernel's chunking (so its rounding)
+      // could depend on what the other ranks run at the same moment.
+      at::set_num_threads(1);
       try {
         auto group = make_gloo_process_group(store, rank, world, std::chrono::seconds(60));
         fn(rank, group);

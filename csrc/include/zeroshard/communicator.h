@@ -5,12 +5,29 @@
 //
 // Thread-safety: one Communicator per optimizer, used from the thread that
 // drives training (and autograd hooks on it). Not safe for concurrent calls.
+//
+// [Note: Work dies on the caller's thread]
+// A backend's worker thread (Gloo's pt_gloo_runloop) holds its own reference
+// to each Work until a moment after marking it complete, so when wait()
+// returns and the caller drops its reference, the worker may be the one that
+// destroys the Work and the tensors it holds. Destroying a tensor that has a
+// Python object (a parameter view, a storage torch.save touched) takes the
+// GIL; on a worker thread during interpreter exit that aborts the process
+// ("terminate called without an active exception"). So waited Works are
+// retired here and destroyed by the Communicator, on the caller's thread, once
+// the backend has let go of them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/rank_health.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -44,33 +61,52 @@ struct CommEvent {
   std::string tag;  // caller's label, e.g. "group0/bucket2"
 };
 
-// An in-flight collective. wait() is idempotent.
+class Communicator;
+
+// An in-flight collective. wait() is idempotent; a failed wait throws
+// c10::DistBackendError naming the collective, the step and, where the
+// Communicator has a store, the ranks that stopped responding.
 class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
-                    std::string tag, std::vector<CommEvent>* log, CommStats* stats)
-      : work_(std::move(work)),
-        kind_(kind),
-        bytes_(bytes),
-        tag_(std::move(tag)),
-        log_(log),
-        stats_(stats) {}
+                    std::string tag, Communicator* owner)
+      : work_(std::move(work)), kind_(kind), bytes_(bytes), tag_(std::move(tag)), owner_(owner) {}
+  // After the wait, output = sum over dim 0 of received ([world, n]): the
+  // local half of a reduce-scatter done as an all-to-all.
+  void sum_chunks_into(at::Tensor received, at::Tensor output) {
+    received_ = std::move(received);
+    output_ = std::move(output);
+  }
+  PendingCollective(PendingCollective&& other) noexcept = default;
+  PendingCollective& operator=(PendingCollective&& other) noexcept;
+  PendingCollective(const PendingCollective&) = delete;
+  PendingCollective& operator=(const PendingCollective&) = delete;
+  // A collective dropped without wait() (an error path) is retired too.
+  ~PendingCollective() { retire(); }
   void wait();
   bool pending() const { return static_cast<bool>(work_); }
 
  private:
+  void retire() noexcept;
+
   c10::intrusive_ptr<c10d::Work> work_;
   CollectiveKind kind_ = CollectiveKind::kAllReduce;
   int64_t bytes_ = 0;
   std::string tag_;
-  std::vector<CommEvent>* log_ = nullptr;
-  CommStats* stats_ = nullptr;  // the Communicator's, which outlives its work
+  Communicator* owner_ = nullptr;  // outlives its collectives
+  at::Tensor received_;            // see sum_chunks_into
+  at::Tensor output_;
 };
 
 class Communicator {
  public:
   explicit Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
+  // Waits (bounded) until the backend has let go of every retired Work, then
+  // destroys them here. See [Note: Work dies on the caller's thread].
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
 
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
@@ -84,6 +120,8 @@ class Communicator {
   // rank. input.numel() == output.numel() * world_size().
   PendingCollective reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
                                        const std::string& tag);
+  // See ZeroOptions::gloo_reduce_scatter_all_to_all.
+  void set_reduce_scatter_all_to_all(bool enabled) { all_to_all_reduce_scatter_ = enabled; }
   // output = concatenation over ranks of input.
   PendingCollective all_gather(at::Tensor& output, at::Tensor& input, const std::string& tag);
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
@@ -125,6 +163,22 @@ class Communicator {
   }
   void clear_event_log() { log_.clear(); }
 
+  // Destroys the retired Works the backend no longer references; returns how
+  // many are still shared with it.
+  size_t release_finished_work();
+  // Waited Works still shared with the backend (bounded: the worker lets go
+  // microseconds after completing one).
+  size_t retired_work_count() const { return retired_.size(); }
+
+  // Errors of failed collectives name the lost ranks: see [Note: Naming a lost
+  // rank] in rank_health.h. `store` is the one the process group was created
+  // with; `prefix` must be equal on every rank and unique per Communicator.
+  void set_failure_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix,
+                         std::chrono::milliseconds report_window = std::chrono::seconds(3));
+  // Throws c10::DistBackendError for a collective that failed with `cause`.
+  [[noreturn]] void raise_collective_failure(const std::string& description,
+                                             const std::string& cause);
+
  private:
   void all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
@@ -140,6 +194,17 @@ class Communicator {
   bool order_check_ = false;
   int64_t step_ = 0;
   std::unordered_map<int64_t, std::string> checked_;  // signature -> description
+  std::vector<c10::intrusive_ptr<c10d::Work>> retired_;
+  std::unique_ptr<RankHealth> health_;  // with a failure store only
+  bool all_to_all_reduce_scatter_ = true;
+
+  friend class PendingCollective;
+  void set_waiting(bool waiting) {
+    if (health_) {
+      health_->set_waiting(waiting);
+    }
+  }
+  void on_waited(CollectiveKind kind, int64_t bytes, const std::string& tag, double seconds);
 };
 
 }  // namespace zeroshard

@@ -107,6 +107,10 @@ class GradientBuckets {
   };
 
   void start_round();
+  // Ends a round in which every bucket launched; after the first eager one,
+  // adopts the order buckets completed in (see [Note: launch order]).
+  void finish_round();
+  void adopt_completion_order();
   void ensure_staging(size_t group, size_t bucket);
   void launch(size_t group, size_t bucket);
   void launch_ready();
@@ -122,7 +126,10 @@ class GradientBuckets {
   bool launch_eagerly_;
   std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]
   std::vector<std::pair<size_t, size_t>> order_;   // launch order: (group, bucket)
-  size_t next_launch_ = 0;                         // index into order_
+  // Buckets in the order they completed during the first eager round.
+  std::vector<std::pair<size_t, size_t>> completed_;
+  bool order_adopted_ = false;
+  size_t next_launch_ = 0;  // index into order_
   bool round_started_ = false;
   int64_t rounds_since_reset_ = 0;
   std::deque<InFlight> in_flight_;

@@ -37,6 +37,12 @@ struct ZeroOptions {
   // 16-bit parameters: bucket and reduce gradients in fp32 (DeepSpeed's
   // communication_data_type fp32) instead of the parameters' dtype.
   TORCH_ARG(bool, reduce_in_fp32) = false;
+  // Gloo has no reduce-scatter of its own: c10d emulates it with an
+  // all-reduce, which moves twice the bytes of a ring reduce-scatter. With
+  // this on (the default), zeroshard sends each rank its chunk with one
+  // all-to-all and sums the W received chunks locally: each element crosses
+  // the wire once. No effect on backends with a native reduce-scatter (NCCL).
+  TORCH_ARG(bool, gloo_reduce_scatter_all_to_all) = true;
   // A step whose reduced gradients hold inf or NaN on any rank is skipped on
   // every rank (agreed in the step's one flag all-reduce): fp16 loss scaling,
   // or bf16 with a non-finite check.

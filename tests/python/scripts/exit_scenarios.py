@@ -1,0 +1,119 @@
+"""Rank programs for test_exit.py: each ends the way a training script does.
+
+    python exit_scenarios.py threads STAGE   # prints the threads left after destroy
+    python exit_scenarios.py late            # a collective still running at exit
+    python exit_scenarios.py fault kill|stall STAGE
+        # the last rank is killed (SIGKILL) or stalls after step 2's forward;
+        # the others print the error they got and exit with code 3
+
+Run with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (env:// rendezvous).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "python")
+)
+import zeroshard  # noqa: E402
+
+
+def thread_names() -> list[str]:
+    return sorted(
+        open(f"/proc/self/task/{task}/comm").read().strip()
+        for task in os.listdir("/proc/self/task")
+    )
+
+
+def train_briefly(stage: int) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), stage=stage, lr=1e-2, **extra)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def fault(kind: str, stage: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), stage=stage, lr=1e-2, reduce_bucket_size=64, **extra
+    )
+    started = time.monotonic()
+    try:
+        for step in range(5):
+            optimizer.zero_grad()
+            loss = model(torch.randn(4, 8)).square().mean()
+            if step == 2 and rank == world - 1:
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(120)  # stalls: the test kills it once the others are done
+            started = time.monotonic()
+            loss.backward()
+            optimizer.step()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "error": f"{type(error).__name__}: {error}",
+                    "seconds": time.monotonic() - started,
+                }
+            ),
+            flush=True,
+        )
+        raise SystemExit(3) from None
+    print(json.dumps({"rank": rank, "error": None}), flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    timeout = float(os.environ.get("PG_TIMEOUT_SECONDS", "60"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    rank = dist.get_rank()
+    if sys.argv[1] == "fault":
+        fault(sys.argv[2], int(sys.argv[3]))
+        return
+    if sys.argv[1] == "threads":
+        model, optimizer = train_briefly(int(sys.argv[2]))
+        del model, optimizer
+        dist.destroy_process_group()
+        print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
+    elif sys.argv[1] == "late":
+        model, optimizer = train_briefly(2)
+        del model, optimizer
+        # Rank 0 leaves a collective in flight that rank 1 joins a second
+        # later, after rank 0 has destroyed the group and begun to exit: the
+        # Work holds the only reference to a Python-owned tensor.
+        if rank == 1:
+            time.sleep(float(os.environ.get("LATE_DELAY", "1.0")))
+        mine = torch.ones(4)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        work = dist.all_gather(everyone, mine, async_op=True)
+        if rank == 1:
+            work.wait()
+        del work, mine, everyone
+        dist.destroy_process_group()
+        print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
+    else:
+        raise SystemExit(f"unknown scenario {sys.argv[1]!r}")
+
+
+if __name__ == "__main__":
+    main()
