@@ -289,18 +289,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fused") = false,
       "One inner-optimizer update of flat fp32 tensors in place (for benchmarks and tests).");
 
-  // A failed collective is torch.distributed.DistBackendError in Python, from
-  // step() as from a backward hook (where autograd translates it).
-  py::register_exception_translator([](std::exception_ptr error) {
-    try {
-      if (error) {
-        std::rethrow_exception(error);
-      }
-    } catch (const c10::DistBackendError& e) {
-      py::object type = py::module_::import("torch.distributed").attr("DistBackendError");
-      PyErr_SetString(type.ptr(), e.what_without_backtrace());
-    }
-  });
   py::class_<ZeroOptimizer, zeroshard::NoGilHolder<ZeroOptimizer>> optimizer_class(m,
                                                                                    "ZeroOptimizer");
   zeroshard::bind_module_hooks(m);

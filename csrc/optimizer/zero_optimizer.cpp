@@ -167,7 +167,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       waiting_for_adoption = waiting_for_adoption || replacement.defined();
     }
   }
-  if (options_.stage() >= 2 && !waiting_for_adoption) {
+  if (uses_gradient_hooks() && !waiting_for_adoption) {
     install_gradient_hooks();
   }
 }
@@ -595,6 +595,8 @@ void ZeroOptimizer::clear_gradient_shards() {
     }
   }
   gradients_reduced_ = false;
+  stage1_stale_ = false;
+  stage1_copied_.clear();
 }
 
 void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
@@ -611,6 +613,10 @@ void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
                     " has a sparse gradient; zeroshard does not support sparse "
                     "gradients (use a dense embedding: sparse=False)");
   at::NoGradGuard no_grad;
+  if (options_.stage() == 1) {
+    on_stage1_gradient(g, i, grad);
+    return;
+  }
   if (comm_->event_log_enabled()) {  // no string building per gradient otherwise
     comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
   }
@@ -618,6 +624,62 @@ void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
   gradients_reduced_ = false;
   // The full gradient now lives in the bucket; only the shard stays.
   grad.reset();
+}
+
+// [Note: stage 1 overlap]
+// Stage 1 keeps .grad (local, not averaged, as before), and with overlap_comm
+// its hooks also copy each gradient into the buckets, so the reduce-scatters
+// run during backward as at stage 2. Two things would make that copy stale,
+// and then step() reduces from .grad instead, as without overlap: a second
+// synced backward before the step (.grad then holds the sum; every rank runs
+// the same backward passes, so every rank sees this at the same hook), and
+// any change to a .grad after its hook (an unscale, a clip of the local
+// gradients, a replaced tensor), caught by its version counter and agreed
+// across ranks in one small all-reduce at the step.
+void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& grad) {
+  if (stage1_stale_) {
+    return;
+  }
+  if (buckets_->reported(g, i) || (!buckets_->round_open() && buckets_->rounds_since_reset() > 0)) {
+    stage1_stale_ = true;  // a second backward since the last step
+    return;
+  }
+  ensure_stage1_grad_shards();
+  if (comm_->event_log_enabled()) {
+    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  }
+  stage1_copied_.push_back(Stage1Copy{g, i, grad, grad._version()});
+  buckets_->add_gradient(g, i, grad);
+  gradients_reduced_ = false;
+}
+
+void ZeroOptimizer::ensure_stage1_grad_shards() {
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    if (!shards_[g].grad_shard.defined()) {
+      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
+    }
+  }
+}
+
+bool ZeroOptimizer::stage1_copies_current() {
+  bool current = !stage1_stale_;
+  if (current) {
+    size_t with_grad = 0;
+    for (const auto& group : param_groups_) {
+      for (const auto& param : group.params()) {
+        with_grad += param.grad().defined() ? 1 : 0;
+      }
+    }
+    // A .grad set where no hook fired, replaced, or changed in place.
+    current = with_grad == stage1_copied_.size();
+    for (const Stage1Copy& copy : stage1_copied_) {
+      const at::Tensor& now = param_groups_[copy.group].params()[copy.index].grad();
+      current = current && now.is_same(copy.grad) && now._version() == copy.version;
+    }
+  }
+  at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt).to(device());
+  comm_->all_reduce_max(stale, "stage1_overlap_check");
+  return stale.cpu().item<int32_t>() == 0;
 }
 
 at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
@@ -630,9 +692,14 @@ at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
 void ZeroOptimizer::on_backward_end(bool outermost) {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
-  if (gradient_sync_) {
-    buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
-                    /*force_round=*/false);
+  if (gradient_sync_ && !(options_.stage() == 1 && stage1_stale_)) {
+    // Stage 1 keeps .grad; stages 2 and 3 move what is left into the buckets.
+    buckets_->flush(
+        [this](size_t g, int64_t i) {
+          return options_.stage() == 1 ? param_groups_[g].params()[i].grad()
+                                       : take_leftover_grad(g, i);
+        },
+        /*force_round=*/false);
     buckets_->wait_all();
   }
   // An inner (reentrant checkpoint) backward must not release what the
@@ -648,7 +715,19 @@ void ZeroOptimizer::finish_gradient_reduction() {
     return;
   }
   at::NoGradGuard no_grad;
-  if (options_.stage() == 1) {
+  bool reduced_in_backward = false;
+  if (options_.stage() == 1 && hooks_) {
+    // A rank whose backward delivered no gradient issues the round the others
+    // issued during backward now, before the check that every rank makes.
+    ensure_stage1_grad_shards();
+    buckets_->flush([this](size_t g, int64_t i) { return param_groups_[g].params()[i].grad(); },
+                    /*force_round=*/true);
+    buckets_->wait_all();
+    reduced_in_backward = stage1_copies_current();
+  }
+  if (reduced_in_backward) {
+    // The hooks reduced during backward (see [Note: stage 1 overlap]).
+  } else if (options_.stage() == 1) {
     // Full gradients are in .grad; feed them in flat-buffer order so buckets
     // complete, and launch, one after another.
     clear_gradient_shards();
@@ -1002,7 +1081,7 @@ void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>&
   }
   index_parameters();
   set_bucket_expectations();
-  if (options_.stage() >= 2) {
+  if (uses_gradient_hooks()) {
     install_gradient_hooks();
   }
 }

@@ -261,7 +261,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._impl.set_hyperparameters(self._hyperparameters())
-        self._impl.step()
+        try:
+            self._impl.step()
+        except RuntimeError as error:
+            # A failed collective is DistBackendError wherever it surfaces
+            # (autograd already translates those raised in backward hooks).
+            if isinstance(error, dist.DistBackendError) or not str(error).startswith(
+                "zeroshard: rank "
+            ):
+                raise
+            raise dist.DistBackendError(str(error)) from None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -86,6 +86,8 @@ class GradientBuckets {
   bool reported(size_t group, int64_t index) const { return reported_[group][index]; }
   // True while a round has started but not every bucket has launched.
   bool round_open() const { return round_started_; }
+  // Rounds that ran since the last reset().
+  int64_t rounds_since_reset() const { return rounds_since_reset_; }
 
   int64_t live_staging_bytes() const { return live_staging_bytes_; }
   int64_t peak_staging_bytes() const { return peak_staging_bytes_; }

@@ -226,6 +226,14 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void finish_gradient_reduction();
   void clear_gradient_shards();
   void on_gradient(size_t group, int64_t index, const at::Tensor& param);
+  void on_stage1_gradient(size_t group, int64_t index, const at::Tensor& grad);
+  // Collective: whether the gradients the stage 1 hooks copied are still what
+  // .grad holds on every rank (see [Note: stage 1 overlap]).
+  bool stage1_copies_current();
+  void ensure_stage1_grad_shards();
+  bool uses_gradient_hooks() const {
+    return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm());
+  }
   void on_backward_end(bool outermost);
   at::Tensor take_leftover_grad(size_t group, int64_t index);
   void update_shards(const std::vector<std::vector<bool>>& has_grad);
@@ -254,6 +262,16 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   int64_t skipped_steps_ = 0;
   bool gradient_sync_ = true;
   bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
+  // Stage 1 overlap: the .grad tensors copied this step and their versions;
+  // stale once a second backward ran before the step.
+  struct Stage1Copy {
+    size_t group;
+    int64_t index;
+    at::Tensor grad;  // the .grad the hook copied
+    int64_t version;  // its version counter then
+  };
+  std::vector<Stage1Copy> stage1_copied_;
+  bool stage1_stale_ = false;
 };
 
 }  // namespace zeroshard
