@@ -123,6 +123,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.reduce_in_fp32(value.cast<bool>());
     } else if (key == "gloo_reduce_scatter_all_to_all") {
       options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
+    } else if (key == "stage1_reduce_in_backward") {
+      options.stage1_reduce_in_backward(value.cast<bool>());
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
@@ -343,7 +345,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
           "Where ranks report a failed collective, so errors name the lost ranks.")
       .def("retired_work_count",
-           [](ZeroOptimizer& self) { return self.communicator().retired_work_count(); })
+           [](ZeroOptimizer& self) { return self.communicator().release_finished_work(); })
       .def("set_gradient_sync", &ZeroOptimizer::set_gradient_sync, py::arg("enabled"))
       .def("gradient_sync", &ZeroOptimizer::gradient_sync)
       .def("gradient_bytes", &ZeroOptimizer::gradient_bytes)

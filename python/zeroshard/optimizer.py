@@ -107,6 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             reduce-scatter with one all-to-all and a local sum, moving each
             element once, instead of c10d's all-reduce emulation (twice the
             bytes). No effect on NCCL.
+        stage1_reduce_in_backward: stage 1 reduce-scatters during backward
+            (with ``overlap_comm``) while keeping ``.grad``; holds the gradient
+            shard from backward to the step. Off by default.
         failure_report_seconds: when a collective fails (a rank was killed or
             stalls past the process group's timeout), how long this rank waits
             for the others to report the failure through the group's store;
@@ -157,6 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         skip_nonfinite_steps: bool = False,
         reduce_in_fp32: bool = False,
         gloo_reduce_scatter_all_to_all: bool = True,
+        stage1_reduce_in_backward: bool = False,
         failure_report_seconds: float = 3.0,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -216,6 +220,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "skip_nonfinite_steps": bool(skip_nonfinite_steps),
             "reduce_in_fp32": bool(reduce_in_fp32),
             "gloo_reduce_scatter_all_to_all": bool(gloo_reduce_scatter_all_to_all),
+            "stage1_reduce_in_backward": bool(stage1_reduce_in_backward),
             "materialize_device": str(torch.device(materialize_device)),
         }
         self._impl = _C.ZeroOptimizer(
@@ -442,7 +447,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._impl.set_event_log_enabled(enabled)
 
     def retired_work_count(self) -> int:
-        """Completed collectives not yet freed because the backend still holds them."""
+        """Frees finished collectives the backend let go of; returns how many it still holds."""
         return int(self._impl.retired_work_count())
 
     def event_log(self) -> list[tuple[str, str, int, str]]:

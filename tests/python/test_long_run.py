@@ -100,7 +100,10 @@ def test_thousand_steps_hold_memory_flat(stage: int) -> None:
         assert growth <= 0.01, f"rank {rank}: RSS grew {growth:.2%}"
         assert end["gathered"] == start["gathered"]
         assert end["staging"] == start["staging"]
-        assert end["retired"] <= max(start["retired"], 4)
+        # Completed collectives Gloo's worker still references at that moment
+        # (it lets go microseconds after each completes): a handful, not a
+        # number that grows with the steps.
+        assert end["retired"] <= 4
         assert end["log"] == start["log"] == 0  # off unless enabled
         if stage == 3:
             # Between steps only the shard is held; during a step no more than

@@ -77,7 +77,9 @@ def _train(rank: int, world_size: int, mode: str) -> dict[str, Any]:
         hyper: dict[str, Any] = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
     else:
         hyper = {"optimizer": "adamw", "lr": 1e-2}
-    optimizer = zeroshard.ZeroOptimizer(model.parameters(), stage=1, reduce_bucket_size=64, **hyper)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), stage=1, reduce_bucket_size=64, stage1_reduce_in_backward=True, **hyper
+    )
     first_launch, last_hook, with_grad = None, None, None
     for step in range(STEPS):
         optimizer.zero_grad()

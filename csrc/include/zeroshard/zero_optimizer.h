@@ -232,7 +232,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   bool stage1_copies_current();
   void ensure_stage1_grad_shards();
   bool uses_gradient_hooks() const {
-    return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm());
+    return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm() &&
+                                     options_.stage1_reduce_in_backward());
   }
   void on_backward_end(bool outermost);
   at::Tensor take_leftover_grad(size_t group, int64_t index);

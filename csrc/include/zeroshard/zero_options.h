@@ -43,6 +43,11 @@ struct ZeroOptions {
   // all-to-all and sums the W received chunks locally: each element crosses
   // the wire once. No effect on backends with a native reduce-scatter (NCCL).
   TORCH_ARG(bool, gloo_reduce_scatter_all_to_all) = true;
+  // Stage 1: reduce-scatter during backward from the gradient hooks (as stage
+  // 2) while keeping .grad; see [Note: stage 1 overlap]. Off by default: it
+  // holds the gradient shard (Psi/N) from backward to the step, beyond the
+  // ZeRO-1 figure, and its speed-up on CPU was within this machine's noise.
+  TORCH_ARG(bool, stage1_reduce_in_backward) = false;
   // A step whose reduced gradients hold inf or NaN on any rank is skipped on
   // every rank (agreed in the step's one flag all-reduce): fp16 loss scaling,
   // or bf16 with a non-finite check.
