@@ -50,6 +50,21 @@ def _edit(model: nn.Module, mode: str) -> None:
         first.grad = first.grad * 0.25
 
 
+def _backward_and_edit(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, step: int, mode: str
+) -> list[str] | None:
+    """One step's backward pass(es) and edits; names of the parameters with .grad."""
+    if mode == "two_backwards":
+        half = tokens.shape[0] // 2
+        for sl in (slice(0, half), slice(half, None)):
+            (_loss(model, tokens[sl], targets[sl], step) / 2).backward()
+        return None
+    _loss(model, tokens, targets, step).backward()
+    with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+    _edit(model, mode)
+    return with_grad
+
+
 def _reference(mode: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     model = make_model(seed=0)
     if mode in SGD_MODES:
@@ -59,16 +74,9 @@ def _reference(mode: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     for step in range(STEPS):
         optimizer.zero_grad()
         tokens, targets = global_batch(step)
-        if mode == "two_backwards":
-            half = tokens.shape[0] // 2
-            for sl in (slice(0, half), slice(half, None)):
-                (_loss(model, tokens[sl], targets[sl], step) / 2).backward()
-        else:
-            _loss(model, tokens, targets, step).backward()
-            with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
-            _edit(model, mode)
+        with_grad = _backward_and_edit(model, tokens, targets, step, mode)
         optimizer.step()
-    return snapshot(model), with_grad if mode != "two_backwards" else None
+    return snapshot(model), with_grad
 
 
 def _train(rank: int, world_size: int, mode: str) -> dict[str, Any]:
@@ -89,14 +97,7 @@ def _train(rank: int, world_size: int, mode: str) -> dict[str, Any]:
         # and the parameter unused on odd steps has a gradient again.
         if step == 2:
             optimizer.set_event_log_enabled(True)
-        if mode == "two_backwards":
-            half = tokens.shape[0] // 2
-            for sl in (slice(0, half), slice(half, None)):
-                (_loss(model, tokens[sl], targets[sl], step) / 2).backward()
-        else:
-            _loss(model, tokens, targets, step).backward()
-            with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
-            _edit(model, mode)
+        with_grad = _backward_and_edit(model, tokens, targets, step, mode)
         if step == 2:
             log = optimizer.event_log()
             kinds = [event for event, *_ in log]
@@ -111,7 +112,7 @@ def _train(rank: int, world_size: int, mode: str) -> dict[str, Any]:
         "params": snapshot(model),
         "first_launch": first_launch,
         "last_hook": last_hook,
-        "with_grad": with_grad if mode != "two_backwards" else None,
+        "with_grad": with_grad,
     }
 
 

@@ -1,0 +1,286 @@
+// ZeroOptimizer: the gradient path. Hooks hand gradients to the buckets, the
+// reduction finishes at step() or clip_grad_norm(), the gradient shard holds
+// the average; stage 1 reduces from .grad (or during backward, see
+// [Note: stage 1 overlap]).
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <cmath>
+#include <unordered_map>
+
+namespace zeroshard {
+
+void ZeroOptimizer::clear_gradient_shards() {
+  buckets_->wait_all();
+  buckets_->reset();
+  for (auto& shard : shards_) {
+    if (options_.stage() >= 2) {
+      shard.grad_shard.zero_();
+    } else {
+      shard.grad_shard = at::Tensor();
+    }
+  }
+  gradients_reduced_ = false;
+  stage1_stale_ = false;
+  stage1_copied_.clear();
+}
+
+void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
+  if (!gradient_sync_) {
+    unsynced_gradients_ = true;
+    return;  // no_sync: the gradient stays in .grad
+  }
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", i, " of group ", g,
+                    " has a sparse gradient; zeroshard does not support sparse "
+                    "gradients (use a dense embedding: sparse=False)");
+  at::NoGradGuard no_grad;
+  if (options_.stage() == 1) {
+    on_stage1_gradient(g, i, grad);
+    return;
+  }
+  if (comm_->event_log_enabled()) {  // no string building per gradient otherwise
+    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  }
+  buckets_->add_gradient(g, i, grad);
+  gradients_reduced_ = false;
+  // The full gradient now lives in the bucket; only the shard stays.
+  grad.reset();
+}
+
+// [Note: stage 1 overlap]
+// Stage 1 keeps .grad (local, not averaged, as before), and with overlap_comm
+// its hooks also copy each gradient into the buckets, so the reduce-scatters
+// run during backward as at stage 2. Two things would make that copy stale,
+// and then step() reduces from .grad instead, as without overlap: a second
+// synced backward before the step (.grad then holds the sum; every rank runs
+// the same backward passes, so every rank sees this at the same hook), and
+// any change to a .grad after its hook (an unscale, a clip of the local
+// gradients, a replaced tensor), caught by its version counter and agreed
+// across ranks in one small all-reduce at the step.
+void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& grad) {
+  if (stage1_stale_) {
+    return;
+  }
+  if (buckets_->reported(g, i) || (!buckets_->round_open() && buckets_->rounds_since_reset() > 0)) {
+    stage1_stale_ = true;  // a second backward since the last step
+    return;
+  }
+  ensure_stage1_grad_shards();
+  if (comm_->event_log_enabled()) {
+    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  }
+  stage1_copied_.push_back(Stage1Copy{g, i, grad, grad._version()});
+  buckets_->add_gradient(g, i, grad);
+  gradients_reduced_ = false;
+}
+
+void ZeroOptimizer::ensure_stage1_grad_shards() {
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    if (!shards_[g].grad_shard.defined()) {
+      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
+    }
+  }
+}
+
+bool ZeroOptimizer::stage1_copies_current() {
+  bool current = !stage1_stale_;
+  if (current) {
+    size_t with_grad = 0;
+    for (const auto& group : param_groups_) {
+      for (const auto& param : group.params()) {
+        with_grad += param.grad().defined() ? 1 : 0;
+      }
+    }
+    // A .grad set where no hook fired, replaced, or changed in place.
+    current = with_grad == stage1_copied_.size();
+    for (const Stage1Copy& copy : stage1_copied_) {
+      const at::Tensor& now = param_groups_[copy.group].params()[copy.index].grad();
+      current = current && now.is_same(copy.grad) && now._version() == copy.version;
+    }
+  }
+  at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt).to(device());
+  comm_->all_reduce_max(stale, "stage1_overlap_check");
+  return stale.cpu().item<int32_t>() == 0;
+}
+
+at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
+  at::Tensor& grad = param_groups_[g].params()[i].mutable_grad();
+  at::Tensor taken = grad;
+  grad.reset();
+  return taken;
+}
+
+void ZeroOptimizer::on_backward_end(bool outermost) {
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  if (gradient_sync_ && !(options_.stage() == 1 && stage1_stale_)) {
+    // Stage 1 keeps .grad; stages 2 and 3 move what is left into the buckets.
+    buckets_->flush(
+        [this](size_t g, int64_t i) {
+          return options_.stage() == 1 ? param_groups_[g].params()[i].grad()
+                                       : take_leftover_grad(g, i);
+        },
+        /*force_round=*/false);
+    buckets_->wait_all();
+  }
+  // An inner (reentrant checkpoint) backward must not release what the
+  // outer backward still needs.
+  if (gatherer_ && outermost) {
+    gatherer_->backward_finished();
+  }
+}
+
+void ZeroOptimizer::finish_gradient_reduction() {
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  if (gradients_reduced_) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  bool reduced_in_backward = false;
+  if (options_.stage() == 1 && hooks_) {
+    // A rank whose backward delivered no gradient issues the round the others
+    // issued during backward now, before the check that every rank makes.
+    ensure_stage1_grad_shards();
+    buckets_->flush([this](size_t g, int64_t i) { return param_groups_[g].params()[i].grad(); },
+                    /*force_round=*/true);
+    buckets_->wait_all();
+    reduced_in_backward = stage1_copies_current();
+  }
+  if (reduced_in_backward) {
+    // The hooks reduced during backward (see [Note: stage 1 overlap]).
+  } else if (options_.stage() == 1) {
+    // Full gradients are in .grad; feed them in flat-buffer order so buckets
+    // complete, and launch, one after another.
+    clear_gradient_shards();
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
+    }
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      const auto& params = param_groups_[g].params();
+      for (const ParamSlot& slot : layout_->group(g).slots()) {
+        const at::Tensor& grad = params[slot.param_index].grad();
+        if (!grad.defined()) {
+          continue;
+        }
+        TORCH_CHECK_VALUE(grad.layout() == c10::kStrided, "parameter ", slot.param_index,
+                          " of group ", g,
+                          " has a sparse gradient; zeroshard does not support sparse "
+                          "gradients (use a dense embedding: sparse=False)");
+        TORCH_CHECK_VALUE(grad.sizes() == params[slot.param_index].sizes(),
+                          "gradient of parameter ", slot.param_index, " of group ", g,
+                          " has shape ", grad.sizes(), " but the parameter has shape ",
+                          params[slot.param_index].sizes());
+        buckets_->add_gradient(g, slot.param_index, grad);
+      }
+    }
+    buckets_->flush(nullptr, /*force_round=*/true);
+  } else {
+    // Gradients still in .grad (accumulated under no_sync) and buckets not yet
+    // launched go now; a rank whose backward produced no gradient at all still
+    // issues the round the other ranks issued. no_sync after a synced pass
+    // needs a round of its own (every rank ran the same passes).
+    if (unsynced_gradients_) {
+      buckets_->require_round();
+      unsynced_gradients_ = false;
+    }
+    buckets_->flush([this](size_t g, int64_t i) { return take_leftover_grad(g, i); },
+                    /*force_round=*/true);
+  }
+  buckets_->wait_all();
+  for (auto& shard : shards_) {
+    // Gloo has no AVG: sum, then divide; and undo the loss scale.
+    shard.grad_shard.div_(static_cast<double>(comm_->world_size()) * loss_scale_);
+  }
+  gradients_reduced_ = true;
+}
+
+at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
+  finish_gradient_reduction();
+  at::NoGradGuard no_grad;
+  at::Tensor squares = at::zeros({1}, fp32_options());
+  for (const auto& shard : shards_) {
+    squares.add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
+  }
+  comm_->all_reduce_sum(squares, "grad_norm");
+  at::Tensor total_norm = squares.sqrt().squeeze(0);
+  // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
+  // reciprocal() * scalar), coefficient clamped at 1.
+  at::Tensor coefficient = total_norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0);
+  for (auto& shard : shards_) {
+    shard.grad_shard.mul_(coefficient.to(shard.grad_shard.scalar_type()));
+  }
+  return total_norm;
+}
+
+int64_t ZeroOptimizer::gradient_bytes() const {
+  int64_t bytes = buckets_->live_staging_bytes();
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    const at::Tensor& shard = shards_[g].grad_shard;
+    if (shard.defined()) {
+      bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
+    }
+    for (const auto& param : param_groups_[g].params()) {
+      if (param.grad().defined()) {
+        bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+void ZeroOptimizer::set_loss_scale(double scale) {
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "loss scale must be finite and > 0, got ",
+                    scale);
+  loss_scale_ = scale;
+}
+
+std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflow) {
+  int64_t total = 0;
+  for (const auto& group : param_groups_) {
+    total += static_cast<int64_t>(group.params().size());
+  }
+  // The last flag: this rank's reduced gradients hold inf/NaN.
+  at::Tensor flags = at::zeros({total + 1}, at::kInt);
+  if (options_.skip_nonfinite_steps()) {
+    bool finite = true;
+    for (const auto& shard : shards_) {
+      finite = finite && at::isfinite(shard.grad_shard).all().item<bool>();
+    }
+    flags[total] = finite ? 0 : 1;
+  }
+  auto* data = flags.data_ptr<int32_t>();
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
+      data[index] = buckets_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
+    }
+  }
+  flags = flags.to(device());
+  comm_->all_reduce_max(flags, "grad_presence");
+  flags = flags.cpu();
+  data = flags.data_ptr<int32_t>();
+  *overflow = data[total] != 0;
+  std::vector<std::vector<bool>> has_grad(param_groups_.size());
+  index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
+      has_grad[g].push_back(data[index] != 0);
+    }
+  }
+  return has_grad;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,223 @@
+// ZeroOptimizer: stage 3 unit hooks, gathering on demand, partitioned
+// construction, full parameters, and the parameter byte counters.
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <cmath>
+#include <unordered_map>
+
+namespace zeroshard {
+
+std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
+                    comm_->world_size(), "), got ", rank);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> out(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    const auto& params = param_groups_[g].params();
+    if (comm_->rank() == rank) {
+      for (const auto& param : params) {
+        out[g].push_back(at::zeros(param.sizes(), fp32_options()));
+      }
+    }
+    for (size_t b = 0; b < layout.buckets().size(); ++b) {
+      const Bucket& bucket = layout.buckets()[b];
+      at::Tensor input = master_slice(g, bucket).to(at::kFloat, /*non_blocking=*/false,
+                                                    /*copy=*/true);
+      at::Tensor full = at::empty({bucket.numel}, fp32_options());
+      comm_->all_gather(full, input, "full_parameters/" + bucket_tag(g, b)).wait();
+      if (comm_->rank() != rank) {
+        continue;
+      }
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        const ParamSlot& slot = layout.slots()[s];
+        out[g][slot.param_index].view({-1}).copy_(
+            full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel));
+      }
+    }
+  }
+  return out;
+}
+
+int64_t ZeroOptimizer::num_units() const { return gatherer_ ? gatherer_->num_units() : 0; }
+
+int64_t ZeroOptimizer::unit_index(const std::string& name) const {
+  for (int64_t u = 0; u < num_units(); ++u) {
+    if (gatherer_->unit_name(u) == name) {
+      return u;
+    }
+  }
+  TORCH_CHECK_INDEX(false, "no unit named '", name, "'");
+}
+
+void ZeroOptimizer::unit_pre_forward(int64_t unit) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  // A forward inside a backward pass is an activation-checkpoint recompute.
+  const bool in_backward = torch::autograd::get_current_graph_task_id() != -1;
+  if (in_backward && hooks_) {
+    hooks_->track_current_backward();
+  }
+  gatherer_->pre_forward(unit, in_backward);
+}
+
+void ZeroOptimizer::unit_post_forward(int64_t unit) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  gatherer_->post_forward(unit, torch::autograd::get_current_graph_task_id() != -1);
+}
+
+void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
+  TORCH_CHECK(gatherer_, "unit hooks need stage 3");
+  if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) {
+    return;
+  }
+  std::weak_ptr<bool> alive = alive_;
+  // Registering on a tensor that autograd already finished with is harmless:
+  // the hook never fires.
+  output.register_hook([this, alive, unit](const at::Tensor&) {
+    if (alive.expired()) {
+      return;
+    }
+    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+    at::NoGradGuard no_grad;
+    if (hooks_) {
+      hooks_->track_current_backward();
+    }
+    gatherer_->pre_backward(unit);
+  });
+}
+
+void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
+  if (!gatherer_) {
+    return;  // stages 1 and 2: always gathered
+  }
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  gatherer_->pin(buckets_of(params));
+}
+
+void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
+  TORCH_CHECK_VALUE(modifier_rank < comm_->world_size(), "modifier_rank must be < world size ",
+                    comm_->world_size(), ", got ", modifier_rank);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  const std::vector<BucketId> buckets = buckets_of(params);
+  if (modifier_rank >= 0) {
+    for (const auto& [g, b] : buckets) {
+      const Bucket& bucket = layout_->group(g).buckets()[b];
+      at::Tensor full = gatherer_
+                            ? gatherer_->full(g, b)
+                            : shards_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+      comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
+      at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+      master_slice(g, bucket).copy_(mine);
+      if (shards_[g].param_shard.defined()) {
+        shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+      }
+    }
+  }
+  if (gatherer_) {
+    gatherer_->unpin(buckets);
+  }
+}
+
+void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>& params) {
+  TORCH_CHECK_VALUE(params.size() == param_groups_.size(), "adopt_parameters: expected ",
+                    param_groups_.size(), " groups, got ", params.size());
+  for (size_t g = 0; g < params.size(); ++g) {
+    auto& current = param_groups_[g].params();
+    TORCH_CHECK_VALUE(params[g].size() == current.size(), "adopt_parameters: group ", g, " has ",
+                      current.size(), " parameters, got ", params[g].size());
+    for (size_t i = 0; i < current.size(); ++i) {
+      const at::Tensor& replacement = replacements_.at(g).at(i);
+      const at::Tensor& given = params[g][i];
+      TORCH_CHECK_VALUE(given.defined() && given.sizes() == current[i].sizes(),
+                        "adopt_parameters: parameter ", i, " of group ", g, " must keep its shape ",
+                        current[i].sizes());
+      TORCH_CHECK_VALUE(
+          replacement.defined() ? given.is_alias_of(replacement) : given.is_same(current[i]),
+          "adopt_parameters: parameter ", i, " of group ", g,
+          " must be replacement_parameters()[g][i] wrapped (e.g. "
+          "torch.nn.Parameter(replacement), not a copy), or the parameter itself "
+          "where there is no replacement");
+    }
+  }
+  // Everything checked: commit.
+  for (size_t g = 0; g < params.size(); ++g) {
+    param_groups_[g].params() = params[g];
+    replacements_[g].assign(params[g].size(), at::Tensor());
+  }
+  index_parameters();
+  set_bucket_expectations();
+  if (uses_gradient_hooks()) {
+    install_gradient_hooks();
+  }
+}
+
+void ZeroOptimizer::begin_initialization(const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(gatherer_, "begin_initialization is for stage 3 partitioned construction");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  gatherer_->pin_for_initialization(buckets_of(params));
+}
+
+void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(gatherer_, "end_initialization is for stage 3 partitioned construction");
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  const std::vector<BucketId> buckets = buckets_of(params);
+  for (const auto& [g, b] : buckets) {
+    const Bucket& bucket = layout_->group(g).buckets()[b];
+    at::Tensor mine =
+        gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+    shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    if (shards_[g].master.defined()) {
+      shards_[g].master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
+  }
+  gatherer_->unpin(buckets);
+}
+
+int64_t ZeroOptimizer::parameter_bytes() const {
+  int64_t bytes = gathered_parameter_bytes();
+  for (const auto& shard : shards_) {
+    if (shard.param_shard.defined()) {
+      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
+    }
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::gathered_parameter_bytes() const {
+  if (gatherer_) {
+    return gatherer_->live_bytes();
+  }
+  int64_t bytes = 0;
+  for (const auto& shard : shards_) {
+    bytes += shard.flat_param.numel() * static_cast<int64_t>(shard.flat_param.element_size());
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::peak_gathered_parameter_bytes() const {
+  return gatherer_ ? gatherer_->peak_live_bytes() : gathered_parameter_bytes();
+}
+
+void ZeroOptimizer::reset_peak_gathered_parameter_bytes() {
+  if (gatherer_) {
+    gatherer_->reset_peak_live_bytes();
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,104 @@
+// ZeroOptimizer: checks of options and parameters at construction, and the
+// cross-rank agreement on the partition layout.
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <cmath>
+#include <unordered_map>
+
+namespace zeroshard {
+
+void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
+  TORCH_CHECK_VALUE(options.stage() >= 1 && options.stage() <= 3, "unsupported ZeRO stage ",
+                    options.stage(),
+                    "; zeroshard implements stage 1 (optimizer state sharding), stage 2 "
+                    "(optimizer state and gradient sharding) and stage 3 (parameters too)");
+  TORCH_CHECK_VALUE(options.stage3_prefetch_bucket_size() >= 0,
+                    "stage3_prefetch_bucket_size must be >= 0 elements, got ",
+                    options.stage3_prefetch_bucket_size());
+  TORCH_CHECK_VALUE(options.stage3_param_persistence_threshold() >= 0,
+                    "stage3_param_persistence_threshold must be >= 0 elements, got ",
+                    options.stage3_param_persistence_threshold());
+  TORCH_CHECK_VALUE(options.stage3_max_live_parameters() >= 0,
+                    "stage3_max_live_parameters must be >= 0 elements, got ",
+                    options.stage3_max_live_parameters());
+  TORCH_CHECK_VALUE(options.max_norm() >= 0, "max_norm must be >= 0 (0 turns clipping off), got ",
+                    options.max_norm());
+  TORCH_CHECK_VALUE(options.max_buckets_in_flight() >= 1,
+                    "max_buckets_in_flight must be >= 1, got ", options.max_buckets_in_flight());
+  TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
+                    "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
+  TORCH_CHECK_VALUE(
+      options.broadcast_from_rank() >= 0 && options.broadcast_from_rank() < world_size,
+      "broadcast_from_rank must be a rank in [0, ", world_size, "), got ",
+      options.broadcast_from_rank());
+}
+
+void ZeroOptimizer::validate_parameters() const {
+  TORCH_CHECK_VALUE(!param_groups_.empty(), "ZeroOptimizer got no parameter groups");
+  std::unordered_map<const void*, std::pair<size_t, size_t>> seen;
+  c10::optional<c10::Device> device;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    TORCH_CHECK_VALUE(!params.empty(), "parameter group ", g, " has no parameters");
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& param = params[i];
+      TORCH_CHECK_VALUE(param.defined(), "parameter ", i, " of group ", g,
+                        " is an undefined tensor");
+      TORCH_CHECK_VALUE(param.is_leaf(), "parameter ", i, " of group ", g,
+                        " is not a leaf tensor (it was computed from other tensors); "
+                        "can't optimize a non-leaf Tensor: pass the leaf parameters");
+      TORCH_CHECK_VALUE(param.layout() == c10::kStrided, "parameter ", i, " of group ", g,
+                        " has layout ", param.layout(),
+                        "; zeroshard supports dense (strided) parameters only");
+      TORCH_CHECK_VALUE(at::isFloatingType(param.scalar_type()), "parameter ", i, " of group ", g,
+                        " has dtype ", param.scalar_type(),
+                        "; zeroshard expects floating-point parameters");
+      TORCH_CHECK_VALUE(param.scalar_type() == params[0].scalar_type(), "parameter ", i,
+                        " of group ", g, " has dtype ", param.scalar_type(),
+                        " but parameter 0 of the group has ", params[0].scalar_type(),
+                        "; all parameters of a group must share one dtype");
+      if (!device) {
+        device = param.device();
+      }
+      TORCH_CHECK_VALUE(param.device() == *device, "parameter ", i, " of group ", g, " is on ",
+                        param.device(), " but the first parameter is on ", *device,
+                        "; all parameters must be on one device");
+      TORCH_CHECK_VALUE(param.is_meta() == param_groups_[0].params()[0].is_meta(), "parameter ", i,
+                        " of group ", g,
+                        " is on the meta device and others are not (or the reverse); build the "
+                        "whole model on the meta device for partitioned construction");
+      TORCH_CHECK_VALUE(!param.is_meta() || options_.stage() == 3, "parameter ", i, " of group ", g,
+                        " is on the meta device; only stage 3 materializes meta parameters "
+                        "(partitioned construction). Materialize the model or use stage=3");
+      auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), std::make_pair(g, i));
+      TORCH_CHECK_VALUE(inserted, "some parameters appear more than once: parameter ", i,
+                        " of group ", g, " is also parameter ", it->second.second, " of group ",
+                        it->second.first, "; each parameter may belong to exactly one group, once");
+    }
+  }
+}
+
+void ZeroOptimizer::check_layout_agrees_across_ranks() {
+  const int64_t fingerprint = layout_->fingerprint();
+  at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
+  extremes = extremes.to(device());
+  comm_->all_reduce_max(extremes, "layout_check");
+  extremes = extremes.cpu();
+  const int64_t max_fp = extremes[0].item<int64_t>();
+  const int64_t min_fp = -extremes[1].item<int64_t>();
+  TORCH_CHECK(max_fp == fingerprint && min_fp == fingerprint,
+              "ranks built different partition layouts (this rank's fingerprint ", fingerprint,
+              ", smallest ", min_fp, ", largest ", max_fp,
+              "): every rank must pass the same parameters, with the same shapes, in the "
+              "same groups and order, and the same reduce_bucket_size");
+}
+
+}  // namespace zeroshard
