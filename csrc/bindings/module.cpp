@@ -18,6 +18,7 @@ namespace zeroshard {
 // Defined in module_hooks.cpp and module_engine.cpp.
 void bind_module_hooks(py::module_& m);
 void bind_engine(py::module_& m);
+void bind_host_kernel(py::module_& m);
 }  // namespace zeroshard
 
 // [Note: GIL and collectives]
@@ -88,6 +89,34 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind 
   return options;
 }
 
+// An offload section (offload_optimizer / offload_param) from the Python
+// layer's dict, keys already checked there.
+OffloadOptions offload_options_from(const py::dict& values) {
+  OffloadOptions options;
+  for (const auto& item : values) {
+    const auto key = item.first.cast<std::string>();
+    const py::handle value = item.second;
+    if (key == "device") {
+      options.device(parse_offload_device(value.cast<std::string>()));
+    } else if (key == "pin_memory") {
+      options.pin_memory(value.cast<bool>());
+    } else if (key == "ratio") {
+      options.ratio(value.cast<double>());
+    } else if (key == "buffer_count") {
+      options.buffer_count(value.cast<int64_t>());
+    } else if (key == "buffer_size") {
+      options.buffer_size(value.cast<int64_t>());
+    } else if (key == "max_in_cpu") {
+      options.max_in_cpu(value.cast<int64_t>());
+    } else if (key == "nvme_path") {
+      options.nvme_path(value.cast<std::string>());
+    } else {
+      TORCH_CHECK_TYPE(false, "unknown offload option '", key, "'");
+    }
+  }
+  return options;
+}
+
 // ZeroOptions from the Python layer's keyword arguments (already validated
 // for type there; ranges are checked by the core).
 ZeroOptions zero_options_from(const py::dict& values) {
@@ -125,6 +154,12 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
     } else if (key == "stage1_reduce_in_backward") {
       options.stage1_reduce_in_backward(value.cast<bool>());
+    } else if (key == "offload_optimizer") {
+      options.offload_optimizer(offload_options_from(value.cast<py::dict>()));
+    } else if (key == "offload_param") {
+      options.offload_param(offload_options_from(value.cast<py::dict>()));
+    } else if (key == "sub_group_size") {
+      options.sub_group_size(value.cast<int64_t>());
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
@@ -295,6 +330,7 @@ PYBIND11_MODULE(_C, m) {
                                                                                    "ZeroOptimizer");
   zeroshard::bind_module_hooks(m);
   zeroshard::bind_engine(m);
+  zeroshard::bind_host_kernel(m);
   optimizer_class
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
@@ -352,6 +388,8 @@ PYBIND11_MODULE(_C, m) {
       .def("peak_staging_bytes", &ZeroOptimizer::peak_staging_bytes)
       .def("reset_peak_staging_bytes", &ZeroOptimizer::reset_peak_staging_bytes)
       .def("optimizer_state_bytes", &ZeroOptimizer::optimizer_state_bytes)
+      .def("device_model_state_bytes", &ZeroOptimizer::device_model_state_bytes)
+      .def("host_model_state_bytes", &ZeroOptimizer::host_model_state_bytes)
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
       .def("comm_stats",
            [](ZeroOptimizer& self) {

@@ -447,7 +447,7 @@ OffloadDevice read_offload(const Section& zero, const std::string& key, DeepSpee
                    "ignoring it changes memory use, not results"
                  : "parameter shards stay on the training device; ignoring it changes memory "
                    "use, not results");
-  return device == "cpu" ? OffloadDevice::kCpu : OffloadDevice::kNvme;
+  return device == "cpu" ? OffloadDevice::kCPU : OffloadDevice::kNVMe;
 }
 
 void read_zero(const Section& top, DeepSpeedConfig& out) {
@@ -483,11 +483,11 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
   out.offload_param = read_offload(zero, "offload_param", out);
   // DeepSpeed's deprecated spellings of the two offloads.
   if (zero.boolean("cpu_offload", false) && out.offload_optimizer == OffloadDevice::kNone) {
-    out.offload_optimizer = OffloadDevice::kCpu;
+    out.offload_optimizer = OffloadDevice::kCPU;
     flag(out, zero.path("cpu_offload"), true, "see offload_optimizer");
   }
   if (zero.boolean("cpu_offload_param", false) && out.offload_param == OffloadDevice::kNone) {
-    out.offload_param = OffloadDevice::kCpu;
+    out.offload_param = OffloadDevice::kCPU;
     flag(out, zero.path("cpu_offload_param"), true, "see offload_param");
   }
 

@@ -37,32 +37,6 @@ std::string describe(int64_t stage, OffloadDevice optimizer, OffloadDevice param
 
 }  // namespace
 
-OffloadDevice parse_offload_device(const std::string& name) {
-  const std::string key = lower(name);
-  if (key == "none" || key.empty()) {
-    return OffloadDevice::kNone;
-  }
-  if (key == "cpu") {
-    return OffloadDevice::kCpu;
-  }
-  if (key == "nvme") {
-    return OffloadDevice::kNvme;
-  }
-  TORCH_CHECK_VALUE(false, "unknown offload device '", name, "'; expected 'none', 'cpu' or 'nvme'");
-}
-
-const char* offload_device_name(OffloadDevice device) {
-  switch (device) {
-    case OffloadDevice::kNone:
-      return "none";
-    case OffloadDevice::kCpu:
-      return "cpu";
-    case OffloadDevice::kNvme:
-      return "nvme";
-  }
-  return "unknown";
-}
-
 PrecisionRecipe parse_precision(const std::string& name) {
   const std::string key = lower(name);
   if (key == "fp32") {
@@ -137,10 +111,10 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   }
   auto offload = [&](OffloadDevice device, double& bytes) {
     const double per_node = bytes * static_cast<double>(options.ranks_per_node());
-    if (device == OffloadDevice::kCpu) {
+    if (device == OffloadDevice::kCPU) {
       estimate.cpu_bytes_per_node += per_node;
       bytes = 0;
-    } else if (device == OffloadDevice::kNvme) {
+    } else if (device == OffloadDevice::kNVMe) {
       estimate.nvme_bytes_per_node += per_node;
       bytes = 0;
     }
@@ -194,8 +168,8 @@ Recommendation recommend_configuration(const EstimateOptions& options, double de
     OffloadDevice optimizer;
     OffloadDevice param;
   };
-  const OffloadDevice none = OffloadDevice::kNone, cpu = OffloadDevice::kCpu,
-                      nvme = OffloadDevice::kNvme;
+  const OffloadDevice none = OffloadDevice::kNone, cpu = OffloadDevice::kCPU,
+                      nvme = OffloadDevice::kNVMe;
   const Candidate candidates[] = {{0, none, none}, {1, none, none}, {2, none, none},
                                   {3, none, none}, {2, cpu, none},  {3, cpu, none},
                                   {3, cpu, cpu},   {3, nvme, cpu},  {3, nvme, nvme}};

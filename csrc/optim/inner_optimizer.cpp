@@ -199,4 +199,28 @@ void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOp
   }
 }
 
+HostAdamArgs host_adam_args(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options) {
+  TORCH_CHECK_VALUE(kind != InnerOptimizerKind::kSGD, "host_adam_args needs Adam or AdamW options");
+  const AdamHyper h = adam_hyper(kind, options);
+  HostAdamArgs args;
+  args.lr = h.lr;
+  args.beta1 = h.beta1;
+  args.beta2 = h.beta2;
+  args.eps = h.eps;
+  args.weight_decay = h.weight_decay;
+  args.decoupled_weight_decay = h.decoupled;
+  return args;
+}
+
+HostSgdArgs host_sgd_args(const torch::optim::OptimizerOptions& options) {
+  const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+  HostSgdArgs args;
+  args.lr = o.lr();
+  args.momentum = o.momentum();
+  args.dampening = o.dampening();
+  args.weight_decay = o.weight_decay();
+  args.nesterov = o.nesterov();
+  return args;
+}
+
 }  // namespace zeroshard

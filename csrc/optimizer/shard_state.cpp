@@ -41,7 +41,12 @@ ShardState ZeroOptimizer::shard_state() const {
     const at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
                                    &shard.momentum_buffer};
     for (size_t k = 0; k < 4; ++k) {
-      if (tensors[k]->defined()) {
+      const auto name = static_cast<OptimizerStateName>(k + 1);
+      if (offloaded_ && offloaded_->has(g, name)) {
+        state.emplace_back(group_key(g, kStateNames[k + 1]),
+                           offloaded_->read(g, name, 0, layout_->group(g).shard_numel(),
+                                            fp32_options().device(c10::kCPU)));
+      } else if (tensors[k]->defined()) {
         state.emplace_back(group_key(g, kStateNames[k + 1]), tensors[k]->detach().clone());
       }
     }
@@ -117,6 +122,10 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
       if (it == by_key.end()) {
         continue;
       }
+      if (offloaded_) {
+        offloaded_->write(g, static_cast<OptimizerStateName>(k + 1), 0, it->second);
+        continue;
+      }
       if (!tensors[k]->defined()) {
         *tensors[k] = at::empty({layout_->group(g).shard_numel()}, fp32_options());
       }
@@ -125,6 +134,9 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
     at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
     const auto* data = steps.data_ptr<int64_t>();
     shard.steps.assign(data, data + steps.numel());
+  }
+  if (offloaded_) {
+    refresh_parameters_from_master();
   }
   gather_parameters();
 }

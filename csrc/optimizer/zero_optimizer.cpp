@@ -96,6 +96,13 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
                                               options_.reduce_bucket_size(), param_units);
   check_layout_agrees_across_ranks();
+  std::vector<int64_t> shard_numels;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    shard_numels.push_back(layout_->group(g).shard_numel());
+  }
+  placement_ = std::make_unique<StatePlacement>(shard_numels, options_.sub_group_size(),
+                                                options_.offload_optimizer(),
+                                                options_.offload_param(), device_);
   std::vector<at::TensorOptions> param_options;
   for (const auto& group : param_groups_) {
     param_options.push_back(group.params()[0].options().device(device_).requires_grad(false));
@@ -123,6 +130,13 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     shards_[g].grad_options =
         options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
     grad_options.push_back(shards_[g].grad_options);
+  }
+  if (placement_->offloads_optimizer()) {
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& options : param_options) {
+      dtypes.push_back(c10::typeMetaToScalarType(options.dtype()));
+    }
+    offloaded_ = std::make_unique<OffloadedOptimizerState>(*placement_, inner_kind_, dtypes);
   }
   build_group_shards();
   GradientBuckets::BucketComplete on_complete;
@@ -275,7 +289,9 @@ void ZeroOptimizer::build_group_shards() {
       params[i].set_data(
           shard.flat_param.narrow(0, slot.flat_offset, slot.numel).view(params[i].sizes()));
     }
-    if (params[0].scalar_type() != at::kFloat) {
+    if (offloaded_) {
+      offloaded_->initialize_group(g, master_shard(g));
+    } else if (params[0].scalar_type() != at::kFloat) {
       shard.master = at::empty({layout.shard_numel()}, fp32_options());
       for (const auto& bucket : layout.buckets()) {
         shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
@@ -302,7 +318,12 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   auto& params = param_groups_[g].params();
   GroupShards& shard = shards_[g];
   const bool meta = params[0].is_meta();
-  shard.param_shard = at::zeros({layout.shard_numel()}, shard.param_options);
+  // offload_param: the shard lives on the host; gathers copy it over first.
+  shard.param_shard = at::zeros(
+      {layout.shard_numel()},
+      placement_->options(placement_->parameter_tier(),
+                          c10::typeMetaToScalarType(shard.param_options.dtype()),
+                          /*for_parameters=*/true));
   shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
@@ -350,59 +371,18 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
       }
     }
   }
-  if (shard.param_options.dtype() != at::kFloat) {
+  if (offloaded_) {
+    offloaded_->initialize_group(g, shard.param_shard.to(at::kFloat));
+  } else if (shard.param_options.dtype() != at::kFloat) {
     shard.master = shard.param_shard.to(at::kFloat);
   }
 }
 
-// [Note: fp32 master]
-// Mixed-precision ZeRO keeps an fp32 master copy of each rank's shard. When
-// the parameters already are fp32 that copy would duplicate values the rank
-// holds anyway, so the master values are this rank's slices of the flat
-// parameter buffer: the inner optimizer updates them in place and the
-// all-gather sends them on. Adam's per-rank state is then 8 bytes per owned
-// element instead of 12, the ZeRO paper's fp32 figure.
-at::TensorOptions ZeroOptimizer::fp32_options() const {
-  return shards_[0].param_options.dtype(at::kFloat);
-}
-
-at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
-  GroupShards& shard = shards_[g];
-  if (shard.master.defined()) {
-    return shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel);
-  }
-  if (shard.param_shard.defined()) {  // stage 3, fp32
-    return shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
-  }
-  return shard.flat_param.narrow(0, layout_->group(g).rank_slice_offset(bucket, comm_->rank()),
-                                 bucket.shard_numel);
-}
-
-at::Tensor ZeroOptimizer::master_shard(size_t g) const {
-  const GroupShards& shard = shards_[g];
-  if (shard.master.defined()) {
-    return shard.master.detach().clone();
-  }
-  if (shard.param_shard.defined()) {  // stage 3, fp32
-    return shard.param_shard.detach().clone();
-  }
-  const GroupLayout& layout = layout_->group(g);
-  at::Tensor out = at::empty({layout.shard_numel()}, fp32_options());
-  for (const auto& bucket : layout.buckets()) {
-    out.narrow(0, bucket.shard_offset, bucket.shard_numel)
-        .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
-                                       bucket.shard_numel));
-  }
-  return out;
-}
-
-void ZeroOptimizer::set_master_shard(size_t g, const at::Tensor& values) {
-  for (const auto& bucket : layout_->group(g).buckets()) {
-    master_slice(g, bucket).copy_(values.narrow(0, bucket.shard_offset, bucket.shard_numel));
-  }
-}
-
 void ZeroOptimizer::ensure_state_tensors(size_t g) {
+  if (offloaded_) {
+    offloaded_->ensure_moments(g, optimizer_state_count(inner_kind_, param_groups_[g].options()));
+    return;
+  }
   GroupShards& shard = shards_[g];
   const auto options = fp32_options();
   const int64_t n = layout_->group(g).shard_numel();
@@ -433,6 +413,9 @@ const at::Tensor& ZeroOptimizer::flat_parameters(size_t group) const {
 
 int64_t ZeroOptimizer::optimizer_state_bytes() const {
   int64_t bytes = 0;
+  if (offloaded_) {
+    bytes += offloaded_->bytes(StateTier::kDevice) + offloaded_->bytes(StateTier::kHost);
+  }
   for (const auto& shard : shards_) {
     for (const at::Tensor* t : {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
                                 &shard.max_exp_avg_sq, &shard.momentum_buffer}) {
@@ -507,9 +490,11 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
         shard.steps[i] += 1;
       }
     }
-    at::Tensor grad32 = shard.grad_shard.scalar_type() == at::kFloat
+    // With offload the gradient stays as reduced until the host copy.
+    at::Tensor grad32 = offloaded_ || shard.grad_shard.scalar_type() == at::kFloat
                             ? shard.grad_shard
                             : shard.grad_shard.to(at::kFloat);
+    std::vector<OffloadedOptimizerState::UpdateRun> runs;
     // Contiguous runs of owned segments that share a step count and a bucket
     // are updated with one call each; with no skipped parameters that is one
     // call per bucket.
@@ -533,6 +518,11 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       }
       const int64_t offset = first.shard_offset;
       const int64_t length = run_end - offset;
+      begin = end;
+      if (offloaded_) {
+        runs.push_back(OffloadedOptimizerState::UpdateRun{offset, length, step});
+        continue;
+      }
       auto slice = [&](const at::Tensor& t) {
         return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
       };
@@ -545,7 +535,13 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
                      slice(shard.max_exp_avg_sq),
                      slice(shard.momentum_buffer)};
       apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
-      begin = end;
+    }
+    if (offloaded_) {
+      offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
+                       options_.fused(),
+                       [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
+                         write_parameter_values(group, offset, values, async);
+                       });
     }
   }
 }
@@ -567,9 +563,15 @@ void ZeroOptimizer::gather_parameters() {
     GroupShards& shard = shards_[g];
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       const Bucket& bucket = layout.buckets()[b];
-      // A copy even for fp32: the input must not alias the output.
-      at::Tensor input = master_slice(g, bucket).to(shard.flat_param.scalar_type(),
-                                                    /*non_blocking=*/false, /*copy=*/true);
+      // A copy even for fp32: the input must not alias the output. With
+      // offload the step already wrote this rank's slice of flat_param.
+      at::Tensor input =
+          offloaded_ ? shard.flat_param
+                           .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
+                                   bucket.shard_numel)
+                           .clone()
+                     : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
+                                                  /*non_blocking=*/false, /*copy=*/true);
       at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       pending.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
       inputs.push_back(std::move(input));

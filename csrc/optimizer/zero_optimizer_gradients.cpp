@@ -28,6 +28,7 @@ void ZeroOptimizer::clear_gradient_shards() {
     }
   }
   gradients_reduced_ = false;
+  grad_shard_scale_ = 1.0;
   stage1_stale_ = false;
   stage1_copied_.clear();
 }
@@ -199,9 +200,15 @@ void ZeroOptimizer::finish_gradient_reduction() {
                     /*force_round=*/true);
   }
   buckets_->wait_all();
-  for (auto& shard : shards_) {
-    // Gloo has no AVG: sum, then divide; and undo the loss scale.
-    shard.grad_shard.div_(static_cast<double>(comm_->world_size()) * loss_scale_);
+  // Gloo has no AVG: sum, then divide; and undo the loss scale. With offload
+  // the host kernel applies the factor in its one pass over the gradient.
+  const double average = 1.0 / (static_cast<double>(comm_->world_size()) * loss_scale_);
+  if (offloaded_) {
+    grad_shard_scale_ = average;
+  } else {
+    for (auto& shard : shards_) {
+      shard.grad_shard.div_(static_cast<double>(comm_->world_size()) * loss_scale_);
+    }
   }
   gradients_reduced_ = true;
 }
@@ -216,9 +223,16 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   }
   comm_->all_reduce_sum(squares, "grad_norm");
   at::Tensor total_norm = squares.sqrt().squeeze(0);
+  if (offloaded_) {
+    total_norm.mul_(grad_shard_scale_);  // the shard holds unscaled sums
+  }
   // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
   // reciprocal() * scalar), coefficient clamped at 1.
   at::Tensor coefficient = total_norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0);
+  if (offloaded_) {
+    grad_shard_scale_ *= coefficient.item<double>();
+    return total_norm;
+  }
   for (auto& shard : shards_) {
     shard.grad_shard.mul_(coefficient.to(shard.grad_shard.scalar_type()));
   }

@@ -31,8 +31,7 @@ std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank
     }
     for (size_t b = 0; b < layout.buckets().size(); ++b) {
       const Bucket& bucket = layout.buckets()[b];
-      at::Tensor input = master_slice(g, bucket).to(at::kFloat, /*non_blocking=*/false,
-                                                    /*copy=*/true);
+      at::Tensor input = read_master(g, bucket.shard_offset, bucket.shard_numel);
       at::Tensor full = at::empty({bucket.numel}, fp32_options());
       comm_->all_gather(full, input, "full_parameters/" + bucket_tag(g, b)).wait();
       if (comm_->rank() != rank) {
@@ -121,7 +120,7 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
                             : shards_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
       at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
-      master_slice(g, bucket).copy_(mine);
+      write_master(g, bucket.shard_offset, mine);
       if (shards_[g].param_shard.defined()) {
         shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
       }
@@ -182,8 +181,8 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
     at::Tensor mine =
         gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
     shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
-    if (shards_[g].master.defined()) {
-      shards_[g].master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    if (shards_[g].master.defined() || offloaded_) {
+      write_master(g, bucket.shard_offset, mine);
     }
   }
   gatherer_->unpin(buckets);

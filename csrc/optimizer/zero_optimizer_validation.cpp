@@ -35,6 +35,31 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                     "max_buckets_in_flight must be >= 1, got ", options.max_buckets_in_flight());
   TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
                     "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
+  TORCH_CHECK_VALUE(options.sub_group_size() > 0, "sub_group_size must be > 0 elements, got ",
+                    options.sub_group_size());
+  const std::pair<const char*, const OffloadOptions*> offloads[] = {
+      {"offload_optimizer", &options.offload_optimizer()},
+      {"offload_param", &options.offload_param()}};
+  for (const auto& [which, offload_ptr] : offloads) {
+    const OffloadOptions& offload = *offload_ptr;
+    TORCH_CHECK_VALUE(offload.device() != OffloadDevice::kNVMe, which,
+                      ".device = 'nvme' is not supported yet by zeroshard; use 'cpu' (host "
+                      "memory) or 'none'");
+    TORCH_CHECK_VALUE(offload.ratio() >= 0 && offload.ratio() <= 1, which,
+                      ".ratio must be in [0, 1] (the fraction of the optimizer state offloaded), "
+                      "got ",
+                      offload.ratio());
+    TORCH_CHECK_VALUE(offload.buffer_count() >= 0 && offload.buffer_size() >= 0 &&
+                          offload.max_in_cpu() >= 0,
+                      which, ": buffer_count, buffer_size and max_in_cpu must be >= 0");
+  }
+  TORCH_CHECK_VALUE(!options.offload_param().enabled() || options.stage() == 3,
+                    "offload_param moves parameter shards and needs ZeRO stage 3 (as in "
+                    "DeepSpeed); this optimizer has stage ",
+                    options.stage(),
+                    ". Use offload_optimizer to offload the optimizer state at stages 1 and 2");
+  TORCH_CHECK_VALUE(options.offload_param().ratio() == 1.0,
+                    "offload_param has no ratio (DeepSpeed's ratio is an offload_optimizer key)");
   TORCH_CHECK_VALUE(
       options.broadcast_from_rank() >= 0 && options.broadcast_from_rank() < world_size,
       "broadcast_from_rank must be a rank in [0, ", world_size, "), got ",

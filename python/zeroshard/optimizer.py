@@ -8,13 +8,14 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zeroshard import _C
+from zeroshard.offload import offload_options
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.units import materialize, plan_units, register_hooks
 
@@ -110,6 +111,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage1_reduce_in_backward: stage 1 reduce-scatters during backward
             (with ``overlap_comm``) while keeping ``.grad``; holds the gradient
             shard from backward to the step. Off by default.
+        offload_optimizer: where the optimizer state (fp32 master, moments)
+            and the step live: ``"cpu"`` or DeepSpeed's section as a dict
+            (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``); None or
+            ``"none"`` keeps them on the device. Any stage.
+        offload_param: stage 3: parameter shards in host memory, copied to the
+            device ahead of each unit's all-gather (``"cpu"`` or a dict with
+            DeepSpeed's offload_param keys).
+        sub_group_size: elements per optimizer sub-group (DeepSpeed's key):
+            with offload the step runs sub-group by sub-group, and host
+            staging buffers are one sub-group in size.
         failure_report_seconds: when a collective fails (a rank was killed or
             stalls past the process group's timeout), how long this rank waits
             for the others to report the failure through the group's store;
@@ -161,6 +172,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_in_fp32: bool = False,
         gloo_reduce_scatter_all_to_all: bool = True,
         stage1_reduce_in_backward: bool = False,
+        offload_optimizer: str | Mapping[str, Any] | None = None,
+        offload_param: str | Mapping[str, Any] | None = None,
+        sub_group_size: int = 1_000_000_000,
         failure_report_seconds: float = 3.0,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -221,6 +235,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "reduce_in_fp32": bool(reduce_in_fp32),
             "gloo_reduce_scatter_all_to_all": bool(gloo_reduce_scatter_all_to_all),
             "stage1_reduce_in_backward": bool(stage1_reduce_in_backward),
+            "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),
+            "offload_param": offload_options(offload_param, "offload_param"),
+            "sub_group_size": int(sub_group_size),
             "materialize_device": str(torch.device(materialize_device)),
         }
         self._impl = _C.ZeroOptimizer(
@@ -417,6 +434,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def reset_peak_gathered_parameter_bytes(self) -> None:
         """Restarts peak tracking of the gathered parameter buffers."""
         self._impl.reset_peak_gathered_parameter_bytes()
+
+    def device_model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state on the training device."""
+        return int(self._impl.device_model_state_bytes())
+
+    def host_model_state_bytes(self) -> int:
+        """Bytes of model state offloaded to host memory (state, staging, parameter shards)."""
+        return int(self._impl.host_model_state_bytes())
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 master + inner state)."""

@@ -63,8 +63,8 @@ TEST(DeepSpeedConfigTest, SeedZero3ConfigLoadsUnchanged) {
   EXPECT_EQ(config.zero.reduce_bucket_size(), 50000000);
   EXPECT_EQ(config.zero.stage3_prefetch_bucket_size(), 50000000);
   EXPECT_EQ(config.zero.stage3_param_persistence_threshold(), 100000);
-  EXPECT_EQ(config.offload_optimizer, OffloadDevice::kCpu);
-  EXPECT_EQ(config.offload_param, OffloadDevice::kCpu);
+  EXPECT_EQ(config.offload_optimizer, OffloadDevice::kCPU);
+  EXPECT_EQ(config.offload_param, OffloadDevice::kCPU);
   EXPECT_EQ(config.optimizer_type, "AdamW");
   EXPECT_EQ(config.optimizer_params["lr"], 1e-4);
   EXPECT_EQ(config.optimizer_params["betas"], json::array({0.9, 0.999}));
@@ -284,7 +284,7 @@ TEST(DeepSpeedConfigTest, RecognisedButUnimplementedSettingsAreListed) {
               {"amp", {{"enabled", true}, {"opt_level", "O1"}}},
               {"tensorboard", {{"enabled", true}}}}),
       1);
-  EXPECT_EQ(config.offload_optimizer, OffloadDevice::kNvme);
+  EXPECT_EQ(config.offload_optimizer, OffloadDevice::kNVMe);
   ASSERT_EQ(config.unsupported.size(), 5u);
   const std::string error = ErrorOf([&] { check_supported(config); });
   for (const char* text :

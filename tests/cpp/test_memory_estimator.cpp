@@ -32,17 +32,17 @@ TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
 TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   auto options =
       EstimateOptions().num_params(1e9).world_size(8).ranks_per_node(8).offload_optimizer(
-          OffloadDevice::kCpu);
+          OffloadDevice::kCPU);
   auto e = estimate_memory(2, options);
   EXPECT_EQ(e.optimizer_bytes, 0);
   EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9);  // 12 bytes x 1e9 / 8 ranks x 8 ranks
   auto nvme = estimate_memory(3, EstimateOptions(options)
-                                     .offload_optimizer(OffloadDevice::kNvme)
-                                     .offload_param(OffloadDevice::kNvme)
+                                     .offload_optimizer(OffloadDevice::kNVMe)
+                                     .offload_param(OffloadDevice::kNVMe)
                                      .largest_unit_params(1e7));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
   EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 4 * 1e7);  // grad shard + working set
-  EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCpu)),
+  EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCPU)),
                c10::ValueError);
 }
 
@@ -52,13 +52,13 @@ TEST(MemoryEstimatorTest, ReproducesDeepSpeedFormulas) {
       EstimateOptions().num_params(p).largest_unit_params(l).world_size(16).ranks_per_node(8);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(2, options).device_bytes, 2 * p + 18 * p / n);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(2, options).cpu_bytes, 4 * p * g * 1.5);
-  auto offload = EstimateOptions(options).offload_optimizer(OffloadDevice::kCpu);
+  auto offload = EstimateOptions(options).offload_optimizer(OffloadDevice::kCPU);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(2, offload).device_bytes, 2 * p);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(2, offload).cpu_bytes, p * 4 * n * 1.5);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(3, options).device_bytes, 4 * l + 18 * p / n);
   EXPECT_DOUBLE_EQ(deepspeed_estimate(3, offload).device_bytes, 4 * l + 2 * p / n);
   EXPECT_DOUBLE_EQ(
-      deepspeed_estimate(3, EstimateOptions(offload).offload_param(OffloadDevice::kCpu))
+      deepspeed_estimate(3, EstimateOptions(offload).offload_param(OffloadDevice::kCPU))
           .device_bytes,
       4 * l);
 }

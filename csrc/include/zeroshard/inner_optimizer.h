@@ -6,6 +6,8 @@
 // Knows nothing of ranks, layouts or hooks.
 #pragma once
 
+#include "zeroshard/host_optimizer_kernel.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 
@@ -46,5 +48,11 @@ struct ShardView {
 // kernel, as torch.optim's fused=True (Adam and AdamW only).
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
                         ShardView& view, int64_t step, bool fused = false);
+
+// The hyper-parameters of `options` as host kernel arguments (data pointers
+// and sizes left unset): the offloaded step runs the same math through
+// host_optimizer_kernel.h.
+HostAdamArgs host_adam_args(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
+HostSgdArgs host_sgd_args(const torch::optim::OptimizerOptions& options);
 
 }  // namespace zeroshard

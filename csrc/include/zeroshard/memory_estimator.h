@@ -5,6 +5,8 @@
 // Pure arithmetic: knows nothing of tensors, ranks or process groups.
 #pragma once
 
+#include "zeroshard/offload_options.h"
+
 #include <torch/csrc/api/include/torch/arg.h>
 
 #include <cstdint>
@@ -13,17 +15,14 @@
 
 namespace zeroshard {
 
-enum class OffloadDevice { kNone, kCpu, kNvme };
 // kFp32: fp32 parameters and gradients (the master values are the
 // parameters). kMixed16: 16-bit parameters and gradients, fp32 master copy.
 enum class PrecisionRecipe { kFp32, kMixed16 };
 // Optimizer states per parameter, in fp32: Adam/AdamW 2, SGD with momentum 1.
 enum class StateKind { kAdam, kSgdMomentum, kSgd };
 
-OffloadDevice parse_offload_device(const std::string& name);
 PrecisionRecipe parse_precision(const std::string& name);
 StateKind parse_state_kind(const std::string& optimizer_name);
-const char* offload_device_name(OffloadDevice device);
 
 struct EstimateOptions {
   TORCH_ARG(double, num_params) = 0;           // Ψ

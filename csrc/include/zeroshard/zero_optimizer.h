@@ -23,8 +23,10 @@
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/offloaded_optimizer_state.h"
 #include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/partition_layout.h"
+#include "zeroshard/state_placement.h"
 #include "zeroshard/zero_options.h"
 
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -112,8 +114,16 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   const at::Tensor& flat_parameters(size_t group) const;
 
   // Bytes of optimizer state held by this rank: fp32 master shard plus the
-  // inner optimizer's state shards.
+  // inner optimizer's state shards (with offload, on both tiers, including
+  // the host staging buffers).
   int64_t optimizer_state_bytes() const;
+  // Model-state bytes (parameters, gradients, optimizer state) this rank
+  // holds on the training device and in host memory: with offload the two
+  // differ even on a CPU-only machine, where both are the same RAM.
+  int64_t device_model_state_bytes() const;
+  int64_t host_model_state_bytes() const;
+  // Where each sub-group's state lives (see state_placement.h).
+  const StatePlacement& placement() const { return *placement_; }
 
   // This rank's shard of the optimizer state plus the layout it was made
   // with. Load it back with load_shard_state at the same world size.
@@ -215,6 +225,17 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // The whole master shard as one contiguous tensor (a copy for fp32 params).
   at::Tensor master_shard(size_t group) const;
   void set_master_shard(size_t group, const at::Tensor& values);
+  // Master values of [offset, offset + length) of a group's shard, as an fp32
+  // copy on the device; and the write into them. Every stage and placement.
+  at::Tensor read_master(size_t group, int64_t offset, int64_t length) const;
+  void write_master(size_t group, int64_t offset, const at::Tensor& values);
+  // Offload: writes updated parameter values (the parameters' dtype) into the
+  // copy the device uses: this rank's slices of flat_param (stages 1-2) or
+  // param_shard (stage 3).
+  void write_parameter_values(size_t group, int64_t offset, const at::Tensor& values, bool async);
+  // Offload: the parameters the device uses from the master values (after a
+  // load), before they are gathered.
+  void refresh_parameters_from_master();
   at::TensorOptions fp32_options() const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
@@ -244,7 +265,15 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   ZeroOptions options_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<PartitionLayout> layout_;
+  std::unique_ptr<StatePlacement> placement_;
+  // With offload_optimizer: the master and moments of every group (then
+  // GroupShards holds none of them).
+  std::unique_ptr<OffloadedOptimizerState> offloaded_;
   std::vector<GroupShards> shards_;
+  // With offload the gradient shard holds the reduced sum and this factor
+  // (1 / (world size x loss scale), times the clipping coefficient) is
+  // applied inside the host kernel's one pass; 1 otherwise.
+  double grad_shard_scale_ = 1.0;
   std::unique_ptr<GradientBuckets> buckets_;
   std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
   std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only

@@ -4,6 +4,8 @@
 // (torch::optim::AdamWOptions, AdamOptions, SGDOptions).
 #pragma once
 
+#include "zeroshard/offload_options.h"
+
 #include <c10/core/Device.h>
 #include <torch/csrc/api/include/torch/arg.h>
 
@@ -54,6 +56,17 @@ struct ZeroOptions {
   TORCH_ARG(bool, skip_nonfinite_steps) = false;
   // Rank whose initial parameter values every rank starts from.
   TORCH_ARG(int64_t, broadcast_from_rank) = 0;
+
+  // Offload (DeepSpeed's keys and defaults; see offload_options.h). The
+  // optimizer state (fp32 master and moments) and the step move to CPU
+  // memory at any stage; the parameter shards at stage 3 only.
+  TORCH_ARG(OffloadOptions, offload_optimizer);
+  TORCH_ARG(OffloadOptions, offload_param);
+  // Elements per optimizer sub-group (DeepSpeed's sub_group_size): with
+  // offload, the step runs sub-group by sub-group, so copies to and from the
+  // host overlap the update of the previous one and host buffers stay one
+  // sub-group in size.
+  TORCH_ARG(int64_t, sub_group_size) = 1000000000;
 
   // Stage 3 (DeepSpeed's keys and defaults). Elements of parameters the
   // prefetch may gather ahead of the unit running now.

@@ -1,0 +1,43 @@
+// Where the optimizer state and (stage 3) the parameter shards live when they
+// do not stay on the training device: DeepSpeed's offload_optimizer and
+// offload_param sections, in the LibTorch options style:
+//   zeroshard::ZeroOptions().stage(3)
+//       .offload_optimizer(zeroshard::OffloadOptions().device(zeroshard::OffloadDevice::kCPU))
+//       .offload_param(zeroshard::OffloadOptions().device(zeroshard::OffloadDevice::kCPU));
+// state_placement.h turns these into a decision per sub-group.
+#pragma once
+
+#include <torch/csrc/api/include/torch/arg.h>
+
+#include <cstdint>
+#include <string>
+
+namespace zeroshard {
+
+enum class OffloadDevice { kNone, kCPU, kNVMe };
+
+// "none", "cpu", "nvme" in any case ("" is "none"); throws naming the choices.
+OffloadDevice parse_offload_device(const std::string& name);
+const char* offload_device_name(OffloadDevice device);
+
+struct OffloadOptions {
+  TORCH_ARG(OffloadDevice, device) = OffloadDevice::kNone;
+  // Host buffers in page-locked memory, so device copies run asynchronously
+  // (CUDA only; ignored on a CPU device). DeepSpeed's default: false.
+  TORCH_ARG(bool, pin_memory) = false;
+  // offload_optimizer only: the fraction of the sub-groups offloaded; the
+  // first (1 - ratio) of them (rounded down) stay on the device.
+  TORCH_ARG(double, ratio) = 1.0;
+  // NVMe only (DeepSpeed's meaning; accepted and unused for "cpu"): I/O
+  // buffers, their size (offload_param) and the parameter elements kept in
+  // CPU memory (offload_param.max_in_cpu).
+  TORCH_ARG(int64_t, buffer_count) = 4;
+  TORCH_ARG(int64_t, buffer_size) = 100000000;
+  TORCH_ARG(int64_t, max_in_cpu) = 1000000000;
+  TORCH_ARG(std::string, nvme_path) = "";
+
+ public:
+  bool enabled() const { return device_ != OffloadDevice::kNone; }
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,100 @@
+// The optimizer state of one rank when offload_optimizer is on: the fp32
+// master and the moments of each sub-group, on the tier StatePlacement gives
+// it, and the offloaded step.
+//
+// The step, per sub-group (see [Note: offloaded step] in the .cpp): the
+// reduced gradient shard is copied to a host fp32 staging buffer, one fused
+// pass of the host kernel updates master and moments and writes the
+// parameter copy in the parameters' dtype into a second staging buffer, and
+// that goes back to the device. Two buffers of each kind alternate, so on
+// CUDA with pinned memory the copies of one sub-group overlap the update of
+// the next. Sub-groups that stay on the device (ratio < 1) run the ATen path
+// of inner_optimizer.h instead.
+#pragma once
+
+#include "zeroshard/inner_optimizer.h"
+#include "zeroshard/state_placement.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace zeroshard {
+
+enum class OptimizerStateName { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer };
+
+class OffloadedOptimizerState {
+ public:
+  // Writes `values` (a 1D tensor, any device, the parameters' dtype) into the
+  // parameter copy the device uses, at shard offset `offset` of group
+  // `group`. May copy asynchronously from `values`: see step().
+  using WriteParameters =
+      std::function<void(size_t group, int64_t offset, const at::Tensor& values, bool async)>;
+
+  OffloadedOptimizerState(const StatePlacement& placement, InnerOptimizerKind kind,
+                          std::vector<c10::ScalarType> param_dtypes);
+
+  // Allocates group `group`'s state: the master from `master` (1D fp32, the
+  // whole shard, any device) and `state_count` zeroed moments
+  // (optimizer_state_count). Calling it again adds moments that are missing
+  // (amsgrad turned on) and keeps the rest.
+  void initialize_group(size_t group, const at::Tensor& master);
+  void ensure_moments(size_t group, int64_t state_count);
+
+  bool has(size_t group, OptimizerStateName name) const;
+  // A copy of [offset, offset + length) of the named state, on `options`'
+  // device.
+  at::Tensor read(size_t group, OptimizerStateName name, int64_t offset, int64_t length,
+                  const at::TensorOptions& options) const;
+  // Writes `values` at `offset`, allocating the state if it was missing.
+  void write(size_t group, OptimizerStateName name, int64_t offset, const at::Tensor& values);
+
+  // One contiguous range of a group's shard whose elements share a step count.
+  struct UpdateRun {
+    int64_t offset = 0;
+    int64_t length = 0;
+    int64_t step = 0;
+  };
+  // Updates group `group` over `runs` (sorted by offset): gradient =
+  // grad_shard * grad_scale, then write_parameters with each run's new
+  // parameter values. Returns when every copy has completed.
+  void step(size_t group, const torch::optim::OptimizerOptions& options,
+            const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
+            bool fused, const WriteParameters& write_parameters);
+
+  // Bytes held on a tier: state plus staging buffers.
+  int64_t bytes(StateTier tier) const;
+
+ private:
+  struct SubGroupState {
+    SubGroup where;
+    std::array<at::Tensor, 5> tensors;  // by OptimizerStateName
+  };
+  struct Staging {
+    at::Tensor grad;    // fp32
+    at::Tensor params;  // the group's parameter dtype
+  };
+
+  // Calls fn(sub-group, offset in it, offset in the range, length) for each
+  // piece of [offset, offset + length).
+  template <typename F>
+  void for_each_piece(size_t group, int64_t offset, int64_t length, F&& fn) const;
+  void step_on_device(SubGroupState& state, const torch::optim::OptimizerOptions& options,
+                      const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
+                      double grad_scale, bool fused, const WriteParameters& write_parameters);
+  void run_host_kernel(SubGroupState& state, const torch::optim::OptimizerOptions& options,
+                       const UpdateRun& run, const Staging& staging, float grad_scale) const;
+  Staging& staging(size_t slot, c10::ScalarType param_dtype);
+
+  const StatePlacement& placement_;
+  InnerOptimizerKind kind_;
+  std::vector<c10::ScalarType> param_dtypes_;
+  std::vector<std::vector<SubGroupState>> groups_;
+  std::vector<Staging> staging_;  // two slots, or one with a single host sub-group
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,76 @@
+// Where each piece of a rank's model state lives: the one place that decides
+// it, asked by every stage (see docs/design.md, "Offload").
+//
+// A group's shard is cut into sub-groups of at most sub_group_size elements
+// (DeepSpeed's sub_group_size); each sub-group's optimizer state (fp32
+// master and moments) lives on one tier. With offload_optimizer the first
+// (1 - ratio) of all sub-groups, in group order and rounded down, stay on
+// the device and the rest go to the host. Stage 3 parameter shards live on
+// the host with offload_param, on the device otherwise. NVMe will be a third
+// tier behind the host.
+//
+// Pure bookkeeping plus allocation: knows nothing of optimizers or ranks.
+#pragma once
+
+#include "zeroshard/offload_options.h"
+#include "zeroshard/partition_layout.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+enum class StateTier { kDevice, kHost };
+const char* state_tier_name(StateTier tier);
+
+// A contiguous range of one group's shard (shard coordinates).
+struct SubGroup {
+  size_t group = 0;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  StateTier tier = StateTier::kDevice;
+};
+
+class StatePlacement {
+ public:
+  // `shard_numels`: this rank's shard size per group (PartitionLayout's
+  // shard_numel, the same on every rank).
+  StatePlacement(const std::vector<int64_t>& shard_numels, int64_t sub_group_size,
+                 const OffloadOptions& offload_optimizer, const OffloadOptions& offload_param,
+                 c10::Device device);
+
+  bool offloads_optimizer() const { return offload_optimizer_.enabled(); }
+  bool offloads_parameters() const { return offload_param_.enabled(); }
+  const std::vector<SubGroup>& sub_groups(size_t group) const { return sub_groups_.at(group); }
+  size_t num_groups() const { return sub_groups_.size(); }
+  // Largest host sub-group, in elements (0 when none): the size of the
+  // host staging buffers.
+  int64_t largest_host_sub_group() const { return largest_host_; }
+  int64_t host_sub_group_count() const { return host_count_; }
+  StateTier parameter_tier() const {
+    return offloads_parameters() ? StateTier::kHost : StateTier::kDevice;
+  }
+
+  c10::Device device() const { return device_; }
+  // Host buffers are pinned when copies to the device can be asynchronous.
+  bool pinned(StateTier tier, bool for_parameters) const;
+  at::TensorOptions options(StateTier tier, c10::ScalarType dtype,
+                            bool for_parameters = false) const;
+  // Whether copies between `tier` and the device may be non-blocking.
+  bool asynchronous_copies(StateTier tier, bool for_parameters) const {
+    return pinned(tier, for_parameters);
+  }
+
+ private:
+  OffloadOptions offload_optimizer_;
+  OffloadOptions offload_param_;
+  c10::Device device_;
+  std::vector<std::vector<SubGroup>> sub_groups_;
+  int64_t largest_host_ = 0;
+  int64_t host_count_ = 0;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,62 @@
+#include "zeroshard/state_placement.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace zeroshard {
+
+const char* state_tier_name(StateTier tier) {
+  return tier == StateTier::kDevice ? "device" : "host";
+}
+
+StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t sub_group_size,
+                               const OffloadOptions& offload_optimizer,
+                               const OffloadOptions& offload_param, c10::Device device)
+    : offload_optimizer_(offload_optimizer), offload_param_(offload_param), device_(device) {
+  TORCH_CHECK_VALUE(sub_group_size > 0, "sub_group_size must be > 0 elements, got ",
+                    sub_group_size);
+  int64_t total = 0;
+  sub_groups_.resize(shard_numels.size());
+  for (size_t g = 0; g < shard_numels.size(); ++g) {
+    for (int64_t offset = 0; offset < shard_numels[g]; offset += sub_group_size) {
+      sub_groups_[g].push_back(
+          SubGroup{g, offset, std::min(sub_group_size, shard_numels[g] - offset), StateTier::kDevice});
+      ++total;
+    }
+  }
+  if (!offload_optimizer_.enabled()) {
+    return;
+  }
+  // The first (1 - ratio) of the sub-groups stay on the device.
+  const auto on_device =
+      static_cast<int64_t>(std::floor((1.0 - offload_optimizer_.ratio()) * total + 1e-9));
+  int64_t index = 0;
+  for (auto& group : sub_groups_) {
+    for (auto& sub_group : group) {
+      if (index++ >= on_device) {
+        sub_group.tier = StateTier::kHost;
+        largest_host_ = std::max(largest_host_, sub_group.numel);
+        ++host_count_;
+      }
+    }
+  }
+}
+
+bool StatePlacement::pinned(StateTier tier, bool for_parameters) const {
+  const OffloadOptions& offload = for_parameters ? offload_param_ : offload_optimizer_;
+  return tier == StateTier::kHost && offload.pin_memory() && device_.is_cuda();
+}
+
+at::TensorOptions StatePlacement::options(StateTier tier, c10::ScalarType dtype,
+                                          bool for_parameters) const {
+  if (tier == StateTier::kDevice) {
+    return at::TensorOptions().dtype(dtype).device(device_);
+  }
+  return at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(
+      pinned(tier, for_parameters));
+}
+
+}  // namespace zeroshard

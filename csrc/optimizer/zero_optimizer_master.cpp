@@ -1,0 +1,146 @@
+// ZeroOptimizer: where the master values live and how they are read and
+// written, at every stage and placement. The placement decision is
+// state_placement.h's, the offloaded state and step are
+// offloaded_optimizer_state.h's; here they meet the shards and parameters.
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+// [Note: fp32 master]
+// Mixed-precision ZeRO keeps an fp32 master copy of each rank's shard. When
+// the parameters already are fp32 that copy would duplicate values the rank
+// holds anyway, so the master values are this rank's slices of the flat
+// parameter buffer: the inner optimizer updates them in place and the
+// all-gather sends them on. Adam's per-rank state is then 8 bytes per owned
+// element instead of 12, the ZeRO paper's fp32 figure.
+at::TensorOptions ZeroOptimizer::fp32_options() const {
+  return shards_[0].param_options.dtype(at::kFloat);
+}
+
+at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
+  TORCH_INTERNAL_ASSERT(!offloaded_, "master_slice: offloaded masters have no device view");
+  GroupShards& shard = shards_[g];
+  if (shard.master.defined()) {
+    return shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  if (shard.param_shard.defined()) {  // stage 3, fp32
+    return shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  return shard.flat_param.narrow(0, layout_->group(g).rank_slice_offset(bucket, comm_->rank()),
+                                 bucket.shard_numel);
+}
+
+at::Tensor ZeroOptimizer::master_shard(size_t g) const {
+  const GroupShards& shard = shards_[g];
+  if (offloaded_ && offloaded_->has(g, OptimizerStateName::kMaster)) {
+    return offloaded_->read(g, OptimizerStateName::kMaster, 0, layout_->group(g).shard_numel(),
+                            fp32_options());
+  }
+  if (shard.param_shard.defined() && shard.param_shard.scalar_type() != at::kFloat &&
+      !shard.master.defined()) {  // stage 3, 16-bit, before the offloaded master exists
+    return shard.param_shard.to(fp32_options());
+  }
+  if (shard.master.defined()) {
+    return shard.master.detach().clone();
+  }
+  if (shard.param_shard.defined()) {  // stage 3, fp32
+    return shard.param_shard.detach().clone();
+  }
+  const GroupLayout& layout = layout_->group(g);
+  at::Tensor out = at::empty({layout.shard_numel()}, fp32_options());
+  for (const auto& bucket : layout.buckets()) {
+    out.narrow(0, bucket.shard_offset, bucket.shard_numel)
+        .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
+                                       bucket.shard_numel));
+  }
+  return out;
+}
+
+void ZeroOptimizer::set_master_shard(size_t g, const at::Tensor& values) {
+  if (offloaded_) {
+    offloaded_->write(g, OptimizerStateName::kMaster, 0, values);
+    return;
+  }
+  for (const auto& bucket : layout_->group(g).buckets()) {
+    master_slice(g, bucket).copy_(values.narrow(0, bucket.shard_offset, bucket.shard_numel));
+  }
+}
+
+at::Tensor ZeroOptimizer::read_master(size_t g, int64_t offset, int64_t length) const {
+  if (offloaded_) {
+    return offloaded_->read(g, OptimizerStateName::kMaster, offset, length, fp32_options());
+  }
+  return master_shard(g).narrow(0, offset, length);
+}
+
+void ZeroOptimizer::write_master(size_t g, int64_t offset, const at::Tensor& values) {
+  if (offloaded_) {
+    offloaded_->write(g, OptimizerStateName::kMaster, offset, values.to(at::kFloat));
+    return;
+  }
+  for (const auto& bucket : layout_->group(g).buckets()) {
+    const int64_t begin = std::max(offset, bucket.shard_offset);
+    const int64_t end =
+        std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
+    if (begin < end) {
+      master_slice(g, bucket)
+          .narrow(0, begin - bucket.shard_offset, end - begin)
+          .copy_(values.narrow(0, begin - offset, end - begin));
+    }
+  }
+}
+
+void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::Tensor& values,
+                                           bool async) {
+  GroupShards& shard = shards_[g];
+  if (shard.param_shard.defined()) {  // stage 3
+    shard.param_shard.narrow(0, offset, values.numel()).copy_(values, async);
+    return;
+  }
+  const GroupLayout& layout = layout_->group(g);
+  for (const auto& bucket : layout.buckets()) {
+    const int64_t begin = std::max(offset, bucket.shard_offset);
+    const int64_t end =
+        std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
+    if (begin < end) {
+      shard.flat_param
+          .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()) + begin - bucket.shard_offset,
+                  end - begin)
+          .copy_(values.narrow(0, begin - offset, end - begin), async);
+    }
+  }
+}
+
+void ZeroOptimizer::refresh_parameters_from_master() {
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    const at::Tensor master = master_shard(g);
+    write_parameter_values(g, 0, master.to(shards_[g].param_options.dtype()), /*async=*/false);
+  }
+}
+
+int64_t ZeroOptimizer::device_model_state_bytes() const {
+  int64_t bytes = gathered_parameter_bytes() + gradient_bytes();
+  for (const auto& shard : shards_) {
+    if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kDevice) {
+      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
+    }
+  }
+  return bytes + (offloaded_ ? offloaded_->bytes(StateTier::kDevice) : optimizer_state_bytes());
+}
+
+int64_t ZeroOptimizer::host_model_state_bytes() const {
+  int64_t bytes = offloaded_ ? offloaded_->bytes(StateTier::kHost) : 0;
+  for (const auto& shard : shards_) {
+    if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kHost) {
+      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
+    }
+  }
+  return bytes;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,67 @@
+"""Offload settings: DeepSpeed's ``offload_optimizer`` / ``offload_param`` sections.
+
+The C++ core (``zeroshard::OffloadOptions``) checks the values; this module
+only turns the Python forms (a device name or a dict) into its keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# DeepSpeed's keys of each section that zeroshard reads; the NVMe tuning keys
+# are accepted so that a DeepSpeed section can be passed unchanged.
+_OPTIMIZER_KEYS = {
+    "device",
+    "pin_memory",
+    "ratio",
+    "buffer_count",
+    "nvme_path",
+    "pipeline_read",
+    "pipeline_write",
+    "fast_init",
+}
+_PARAM_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"}
+_IGNORED = {"pipeline_read", "pipeline_write", "fast_init"}  # I/O tuning of DeepSpeed's NVMe path
+
+
+def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[str, Any]:
+    """Normalises ``offload_optimizer=`` / ``offload_param=`` to the core's keys.
+
+    Args:
+        value: None, a device name (``"none"``, ``"cpu"``, ``"nvme"``) or a
+            mapping with DeepSpeed's keys for that section.
+        which: ``"offload_optimizer"`` or ``"offload_param"``, for messages.
+
+    Raises:
+        TypeError: for a value of another type or an unknown key.
+    """
+    if value is None:
+        return {"device": "none"}
+    if isinstance(value, str):
+        return {"device": value}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{which} must be None, a device name ('none', 'cpu', 'nvme') or a dict of "
+            f"DeepSpeed's {which} keys; got {type(value).__name__}"
+        )
+    allowed = _OPTIMIZER_KEYS if which == "offload_optimizer" else _PARAM_KEYS
+    unknown = set(value) - allowed
+    if unknown:
+        raise TypeError(f"unknown {which} key(s) {sorted(unknown)}; expected {sorted(allowed)}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if key in _IGNORED:
+            continue
+        if key == "device":
+            out[key] = "none" if item is None else str(item)
+        elif key == "pin_memory":
+            out[key] = bool(item)
+        elif key == "ratio":
+            out[key] = float(item)
+        elif key == "nvme_path":
+            out[key] = "" if item is None else str(item)
+        else:
+            out[key] = int(item)
+    out.setdefault("device", "none")
+    return out
