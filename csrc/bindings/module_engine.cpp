@@ -32,6 +32,23 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
   zero["stage3_max_live_parameters"] = options.stage3_max_live_parameters();
   zero["skip_nonfinite_steps"] = options.skip_nonfinite_steps();
   zero["reduce_in_fp32"] = options.reduce_in_fp32();
+  zero["sub_group_size"] = options.sub_group_size();
+  for (const auto& [key, offload] :
+       {std::pair<const char*, OffloadOptions>{"offload_optimizer", options.offload_optimizer()},
+        std::pair<const char*, OffloadOptions>{"offload_param", options.offload_param()}}) {
+    py::dict section;
+    section["device"] = offload_device_name(offload.device());
+    section["pin_memory"] = offload.pin_memory();
+    section["buffer_count"] = offload.buffer_count();
+    section["nvme_path"] = offload.nvme_path();
+    if (std::string(key) == "offload_optimizer") {
+      section["ratio"] = offload.ratio();
+    } else {
+      section["buffer_size"] = offload.buffer_size();
+      section["max_in_cpu"] = offload.max_in_cpu();
+    }
+    zero[key] = section;
+  }
   py::dict hyper;
   const auto& p = config.optimizer_params;
   const std::string kind = lowercase(config.optimizer_type);

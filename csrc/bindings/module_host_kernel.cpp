@@ -14,8 +14,8 @@ namespace {
 float* float_data(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                         t.numel() == numel,
-                    name, " must be a contiguous float32 CPU tensor of ", numel,
-                    " elements; got ", t.scalar_type(), " on ", t.device(), " with ", t.numel());
+                    name, " must be a contiguous float32 CPU tensor of ", numel, " elements; got ",
+                    t.scalar_type(), " on ", t.device(), " with ", t.numel());
   return t.data_ptr<float>();
 }
 
@@ -37,7 +37,7 @@ void bind_host_kernel(py::module_& m) {
          const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
          const std::optional<at::Tensor>& param_out, int64_t step, double lr, double beta1,
          double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
-         double grad_scale) {
+         double grad_scale, const std::string& variant) {
         const int64_t n = param.numel();
         HostAdamArgs args;
         args.param = float_data(param, "param", n);
@@ -57,21 +57,24 @@ void bind_host_kernel(py::module_& m) {
         args.weight_decay = weight_decay;
         args.decoupled_weight_decay = decoupled_weight_decay;
         args.grad_scale = static_cast<float>(grad_scale);
+        const HostKernelVariant chosen = parse_host_kernel_variant(variant);
         py::gil_scoped_release no_gil;
-        host_adam_step(args);
+        host_adam_step(args, chosen);
       },
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("max_exp_avg_sq") = py::none(), py::arg("param_out") = py::none(),
       py::arg("step") = 1, py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
       py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
       py::arg("decoupled_weight_decay") = true, py::arg("grad_scale") = 1.0,
+      py::arg("variant") = "auto",
       "One fused host Adam/AdamW pass over fp32 CPU tensors (see host_optimizer_kernel.h).");
   m.def(
       "host_sgd_step",
       [](const at::Tensor& param, const at::Tensor& grad,
          const std::optional<at::Tensor>& momentum_buffer,
          const std::optional<at::Tensor>& param_out, int64_t step, double lr, double momentum,
-         double dampening, double weight_decay, bool nesterov, double grad_scale) {
+         double dampening, double weight_decay, bool nesterov, double grad_scale,
+         const std::string& variant) {
         const int64_t n = param.numel();
         HostSgdArgs args;
         args.param = float_data(param, "param", n);
@@ -88,14 +91,21 @@ void bind_host_kernel(py::module_& m) {
         args.weight_decay = weight_decay;
         args.nesterov = nesterov;
         args.grad_scale = static_cast<float>(grad_scale);
+        const HostKernelVariant chosen = parse_host_kernel_variant(variant);
         py::gil_scoped_release no_gil;
-        host_sgd_step(args);
+        host_sgd_step(args, chosen);
       },
       py::arg("param"), py::arg("grad"), py::arg("momentum_buffer") = py::none(),
       py::arg("param_out") = py::none(), py::arg("step") = 1, py::arg("lr") = 1e-2,
       py::arg("momentum") = 0.0, py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0,
-      py::arg("nesterov") = false, py::arg("grad_scale") = 1.0,
+      py::arg("nesterov") = false, py::arg("grad_scale") = 1.0, py::arg("variant") = "auto",
       "One fused host SGD pass over fp32 CPU tensors.");
+  m.def(
+      "host_kernel_variant_supported",
+      [](const std::string& name) {
+        return host_kernel_variant_supported(parse_host_kernel_variant(name));
+      },
+      py::arg("variant"));
   m.def("host_kernel_capability", &host_kernel_capability,
         "The CPU capability variant the host kernel runs: DEFAULT, AVX2 or AVX512.");
 }

@@ -81,12 +81,12 @@ const Keys kZeroAcceptedSizes = {
     "allgather_bucket_size", "max_reuse_distance", "model_persistence_threshold",
     "module_granularity_threshold", "parameter_alignment", "partition_stream_chunk_size",
     "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
-    "stage3_module_granularity_threshold", "stage3_partition_stream_chunk_size", "sub_group_size"};
+    "stage3_module_granularity_threshold", "stage3_partition_stream_chunk_size"};
 const Keys kZeroReadKeys = {
     "stage", "overlap_comm", "reduce_bucket_size", "stage3_prefetch_bucket_size",
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
     "stage3_max_live_parameters", "max_live_parameters", "offload_optimizer", "offload_param",
-    "cpu_offload", "cpu_offload_param", "reduce_scatter", "elastic_checkpoint", "legacy_stage1",
+    "cpu_offload", "cpu_offload_param", "sub_group_size", "reduce_scatter", "elastic_checkpoint", "legacy_stage1",
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
     "mics_hierarchical_params_gather", "zenflow",
@@ -421,33 +421,47 @@ std::string aliased(const Section& section, const std::string& name, const std::
   return section.has(alias) ? alias : name;
 }
 
-OffloadDevice read_offload(const Section& zero, const std::string& key, DeepSpeedConfig& out) {
+// DeepSpeed's offload section into OffloadOptions (DeepSpeed's defaults for
+// what the section leaves out). CPU offload is zeroshard's own; NVMe is
+// recorded as unsupported (see [Note: Unsupported settings]) and, if ignored,
+// trains with the state on the device.
+OffloadOptions read_offload(const Section& zero, const std::string& key, bool pin_default,
+                            DeepSpeedConfig& out, OffloadDevice* written) {
   const bool optimizer = key == "offload_optimizer";
   const Section s = zero.section(key, optimizer ? kOffloadOptimizerKeys : kOffloadParamKeys);
   const std::string device = s.choice("device", "none", {"none", "cpu", "nvme"});
-  s.string("nvme_path", "");
-  s.integer("buffer_count", 0, 0);
-  s.boolean("pin_memory", false);
+  *written = parse_offload_device(device);
+  OffloadOptions options;
+  options.nvme_path(s.string("nvme_path", ""));
+  options.buffer_count(s.integer("buffer_count", optimizer ? 4 : 5, 0));
+  options.pin_memory(s.boolean("pin_memory", pin_default));
   if (optimizer) {
     for (const char* flag_key :
          {"pipeline_read", "pipeline_write", "fast_init", "super_offload", "convert_grad_on_cpu"}) {
       s.boolean(flag_key, false);
     }
-    s.number("ratio", 1, 0, 1);
+    options.ratio(s.number("ratio", 1, 0, 1));
     s.number("cpuadam_cores_perc", 0.8, 0, 1);
   } else {
-    s.integer("buffer_size", 0, 0);
-    s.integer("max_in_cpu", 0, 0);
+    options.buffer_size(s.integer("buffer_size", 100000000, 0));
+    options.max_in_cpu(s.integer("max_in_cpu", 1000000000, 0));
   }
-  if (device == "none") {
-    return OffloadDevice::kNone;
+  if (device == "nvme") {
+    flag(out, s.path("device"), device,
+         optimizer ? "NVMe offload is not implemented yet; ignoring it keeps the optimizer "
+                     "state on the training device, which changes memory use, not results"
+                   : "NVMe offload is not implemented yet; ignoring it keeps the parameter "
+                     "shards on the training device, which changes memory use, not results");
+    return options;  // device none
   }
-  flag(out, s.path("device"), device,
-       optimizer ? "optimizer states and the optimizer step stay on the training device; "
-                   "ignoring it changes memory use, not results"
-                 : "parameter shards stay on the training device; ignoring it changes memory "
-                   "use, not results");
-  return device == "cpu" ? OffloadDevice::kCPU : OffloadDevice::kNVMe;
+  if (device == "cpu" && !optimizer && out.zero_stage != 3) {
+    TORCH_CHECK_VALUE(false, s.path("device"),
+                      " = \"cpu\" offloads parameter shards, which needs ZeRO stage 3 (as in "
+                      "DeepSpeed); zero_optimization.stage is ",
+                      out.zero_stage);
+  }
+  options.device(parse_offload_device(device));
+  return options;
 }
 
 void read_zero(const Section& top, DeepSpeedConfig& out) {
@@ -479,17 +493,24 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
     zero.integer(key, 0, std::numeric_limits<int64_t>::min());
   }
 
-  out.offload_optimizer = read_offload(zero, "offload_optimizer", out);
-  out.offload_param = read_offload(zero, "offload_param", out);
+  out.zero.sub_group_size(zero.integer("sub_group_size", out.zero.sub_group_size(), 1));
+  const bool pin = zero.boolean("cpu_offload_use_pin_memory", false);
+  OffloadOptions optimizer_offload =
+      read_offload(zero, "offload_optimizer", pin, out, &out.offload_optimizer);
+  OffloadOptions param_offload = read_offload(zero, "offload_param", pin, out, &out.offload_param);
   // DeepSpeed's deprecated spellings of the two offloads.
   if (zero.boolean("cpu_offload", false) && out.offload_optimizer == OffloadDevice::kNone) {
+    optimizer_offload.device(OffloadDevice::kCPU);
     out.offload_optimizer = OffloadDevice::kCPU;
-    flag(out, zero.path("cpu_offload"), true, "see offload_optimizer");
   }
   if (zero.boolean("cpu_offload_param", false) && out.offload_param == OffloadDevice::kNone) {
+    TORCH_CHECK_VALUE(out.zero_stage == 3, zero.path("cpu_offload_param"),
+                      " offloads parameter shards, which needs ZeRO stage 3");
+    param_offload.device(OffloadDevice::kCPU);
     out.offload_param = OffloadDevice::kCPU;
-    flag(out, zero.path("cpu_offload_param"), true, "see offload_param");
   }
+  out.zero.offload_optimizer(optimizer_offload);
+  out.zero.offload_param(param_offload);
 
   if (!zero.boolean("reduce_scatter", true)) {
     flag(out, zero.path("reduce_scatter"), false,

@@ -22,23 +22,31 @@ ZEROSHARD_DECLARE_HOST_KERNELS(AVX512)
 
 namespace {
 
-enum class Capability { kDefault, kAvx2, kAvx512 };
-
-Capability capability() {
-  // ATen's own choice: what the CPU supports, lowered by ATEN_CPU_CAPABILITY.
-  static const Capability chosen = [] {
+// ATen's own choice: what the CPU supports, lowered by ATEN_CPU_CAPABILITY.
+HostKernelVariant best_variant() {
+  static const HostKernelVariant chosen = [] {
 #if ZEROSHARD_HOST_KERNELS_X86
     const std::string name = at::get_cpu_capability();
     if (name.rfind("AVX512", 0) == 0) {
-      return Capability::kAvx512;
+      return HostKernelVariant::kAVX512;
     }
     if (name.rfind("AVX2", 0) == 0) {
-      return Capability::kAvx2;
+      return HostKernelVariant::kAVX2;
     }
 #endif
-    return Capability::kDefault;
+    return HostKernelVariant::kDefault;
   }();
   return chosen;
+}
+
+HostKernelVariant resolve(HostKernelVariant variant) {
+  if (variant == HostKernelVariant::kAuto) {
+    return best_variant();
+  }
+  TORCH_CHECK_VALUE(host_kernel_variant_supported(variant),
+                    "host kernel variant not available on this CPU (it supports up to ",
+                    host_kernel_capability(), ")");
+  return variant;
 }
 
 void check_common(int64_t numel, const float* param, const float* grad, const void* param_out,
@@ -46,27 +54,49 @@ void check_common(int64_t numel, const float* param, const float* grad, const vo
   TORCH_CHECK_VALUE(numel >= 0, "host kernel: numel must be >= 0, got ", numel);
   TORCH_CHECK_VALUE(numel == 0 || (param != nullptr && grad != nullptr),
                     "host kernel: param and grad must be set");
-  TORCH_CHECK_VALUE(param_out == nullptr || out_dtype == c10::ScalarType::Float ||
-                        out_dtype == c10::ScalarType::BFloat16 ||
-                        out_dtype == c10::ScalarType::Half,
-                    "host kernel: the parameter copy must be float32, bfloat16 or float16, got ",
-                    out_dtype);
+  TORCH_CHECK_VALUE(
+      param_out == nullptr || out_dtype == c10::ScalarType::Float ||
+          out_dtype == c10::ScalarType::BFloat16 || out_dtype == c10::ScalarType::Half,
+      "host kernel: the parameter copy must be float32, bfloat16 or float16, got ", out_dtype);
 }
 
 }  // namespace
 
-void host_adam_step(const HostAdamArgs& args) {
+bool host_kernel_variant_supported(HostKernelVariant variant) {
+  return variant == HostKernelVariant::kAuto ||
+         static_cast<int>(variant) <= static_cast<int>(best_variant());
+}
+
+HostKernelVariant parse_host_kernel_variant(const std::string& name) {
+  if (name == "auto") {
+    return HostKernelVariant::kAuto;
+  }
+  if (name == "DEFAULT") {
+    return HostKernelVariant::kDefault;
+  }
+  if (name == "AVX2") {
+    return HostKernelVariant::kAVX2;
+  }
+  if (name == "AVX512") {
+    return HostKernelVariant::kAVX512;
+  }
+  TORCH_CHECK_VALUE(false, "unknown host kernel variant '", name,
+                    "'; expected 'auto', 'DEFAULT', 'AVX2' or 'AVX512'");
+}
+
+void host_adam_step(const HostAdamArgs& args, HostKernelVariant variant) {
   check_common(args.numel, args.param, args.grad, args.param_out, args.out_dtype);
   TORCH_CHECK_VALUE(args.numel == 0 || (args.exp_avg != nullptr && args.exp_avg_sq != nullptr),
                     "host Adam: exp_avg and exp_avg_sq must be set");
+  const HostKernelVariant chosen = resolve(variant);
   if (args.numel == 0) {
     return;
   }
-  switch (capability()) {
+  switch (chosen) {
 #if ZEROSHARD_HOST_KERNELS_X86
-    case Capability::kAvx512:
+    case HostKernelVariant::kAVX512:
       return host_kernels::AVX512::adam_step(args);
-    case Capability::kAvx2:
+    case HostKernelVariant::kAVX2:
       return host_kernels::AVX2::adam_step(args);
 #endif
     default:
@@ -74,18 +104,19 @@ void host_adam_step(const HostAdamArgs& args) {
   }
 }
 
-void host_sgd_step(const HostSgdArgs& args) {
+void host_sgd_step(const HostSgdArgs& args, HostKernelVariant variant) {
   check_common(args.numel, args.param, args.grad, args.param_out, args.out_dtype);
   TORCH_CHECK_VALUE(args.numel == 0 || args.momentum == 0 || args.momentum_buffer != nullptr,
                     "host SGD: momentum != 0 needs a momentum buffer");
+  const HostKernelVariant chosen = resolve(variant);
   if (args.numel == 0) {
     return;
   }
-  switch (capability()) {
+  switch (chosen) {
 #if ZEROSHARD_HOST_KERNELS_X86
-    case Capability::kAvx512:
+    case HostKernelVariant::kAVX512:
       return host_kernels::AVX512::sgd_step(args);
-    case Capability::kAvx2:
+    case HostKernelVariant::kAVX2:
       return host_kernels::AVX2::sgd_step(args);
 #endif
     default:
@@ -94,10 +125,10 @@ void host_sgd_step(const HostSgdArgs& args) {
 }
 
 std::string host_kernel_capability() {
-  switch (capability()) {
-    case Capability::kAvx512:
+  switch (best_variant()) {
+    case HostKernelVariant::kAVX512:
       return "AVX512";
-    case Capability::kAvx2:
+    case HostKernelVariant::kAVX2:
       return "AVX2";
     default:
       return "DEFAULT";

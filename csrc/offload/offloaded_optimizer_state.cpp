@@ -164,7 +164,7 @@ void OffloadedOptimizerState::write(size_t g, OptimizerStateName name, int64_t o
 }
 
 OffloadedOptimizerState::Staging& OffloadedOptimizerState::staging(size_t slot,
-                                                                  c10::ScalarType param_dtype) {
+                                                                   c10::ScalarType param_dtype) {
   Staging& staging = staging_.at(slot);
   if (staging.params.scalar_type() != param_dtype) {  // groups of another dtype
     staging.params =
@@ -207,18 +207,17 @@ int64_t OffloadedOptimizerState::bytes(StateTier tier) const {
 // values into the slot, and starts their copy back. With a CPU device, or
 // pageable memory, every copy is synchronous and the fences do nothing.
 void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOptions& options,
-                                   const std::vector<UpdateRun>& runs,
-                                   const at::Tensor& grad_shard, double grad_scale, bool fused,
+                                   const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
+                                   double grad_scale, bool fused,
                                    const WriteParameters& write_parameters) {
   at::NoGradGuard no_grad;
   auto& sub_groups = groups_[g];
   std::vector<std::vector<UpdateRun>> per_sub_group(sub_groups.size());
   for (const UpdateRun& run : runs) {
-    for_each_piece(g, run.offset, run.length,
-                   [&](size_t k, int64_t local, int64_t /*at*/, int64_t take) {
-                     per_sub_group[k].push_back(
-                         UpdateRun{sub_groups[k].where.offset + local, take, run.step});
-                   });
+    for_each_piece(
+        g, run.offset, run.length, [&](size_t k, int64_t local, int64_t /*at*/, int64_t take) {
+          per_sub_group[k].push_back(UpdateRun{sub_groups[k].where.offset + local, take, run.step});
+        });
   }
   std::vector<size_t> host;
   for (size_t k = 0; k < sub_groups.size(); ++k) {
@@ -282,7 +281,8 @@ void OffloadedOptimizerState::run_host_kernel(SubGroupState& state,
     HostSgdArgs args = host_sgd_args(options);
     args.param = at_offset<float>(t[index_of(OptimizerStateName::kMaster)], local);
     args.grad = at_offset<float>(staging.grad, local);
-    args.momentum_buffer = at_offset<float>(t[index_of(OptimizerStateName::kMomentumBuffer)], local);
+    args.momentum_buffer =
+        at_offset<float>(t[index_of(OptimizerStateName::kMomentumBuffer)], local);
     args.param_out = param_out;
     args.out_dtype = staging.params.scalar_type();
     args.numel = run.length;

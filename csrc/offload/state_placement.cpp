@@ -22,8 +22,8 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
   sub_groups_.resize(shard_numels.size());
   for (size_t g = 0; g < shard_numels.size(); ++g) {
     for (int64_t offset = 0; offset < shard_numels[g]; offset += sub_group_size) {
-      sub_groups_[g].push_back(
-          SubGroup{g, offset, std::min(sub_group_size, shard_numels[g] - offset), StateTier::kDevice});
+      sub_groups_[g].push_back(SubGroup{
+          g, offset, std::min(sub_group_size, shard_numels[g] - offset), StateTier::kDevice});
       ++total;
     }
   }

@@ -199,7 +199,8 @@ void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOp
   }
 }
 
-HostAdamArgs host_adam_args(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options) {
+HostAdamArgs host_adam_args(InnerOptimizerKind kind,
+                            const torch::optim::OptimizerOptions& options) {
   TORCH_CHECK_VALUE(kind != InnerOptimizerKind::kSGD, "host_adam_args needs Adam or AdamW options");
   const AdamHyper h = adam_hyper(kind, options);
   HostAdamArgs args;

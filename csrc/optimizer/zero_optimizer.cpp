@@ -319,11 +319,11 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   GroupShards& shard = shards_[g];
   const bool meta = params[0].is_meta();
   // offload_param: the shard lives on the host; gathers copy it over first.
-  shard.param_shard = at::zeros(
-      {layout.shard_numel()},
-      placement_->options(placement_->parameter_tier(),
-                          c10::typeMetaToScalarType(shard.param_options.dtype()),
-                          /*for_parameters=*/true));
+  shard.param_shard =
+      at::zeros({layout.shard_numel()},
+                placement_->options(placement_->parameter_tier(),
+                                    c10::typeMetaToScalarType(shard.param_options.dtype()),
+                                    /*for_parameters=*/true));
   shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
@@ -566,12 +566,12 @@ void ZeroOptimizer::gather_parameters() {
       // A copy even for fp32: the input must not alias the output. With
       // offload the step already wrote this rank's slice of flat_param.
       at::Tensor input =
-          offloaded_ ? shard.flat_param
-                           .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
-                                   bucket.shard_numel)
-                           .clone()
-                     : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
-                                                  /*non_blocking=*/false, /*copy=*/true);
+          offloaded_
+              ? shard.flat_param
+                    .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()), bucket.shard_numel)
+                    .clone()
+              : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
+                                           /*non_blocking=*/false, /*copy=*/true);
       at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       pending.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
       inputs.push_back(std::move(input));

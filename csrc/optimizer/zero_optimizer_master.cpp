@@ -85,8 +85,7 @@ void ZeroOptimizer::write_master(size_t g, int64_t offset, const at::Tensor& val
   }
   for (const auto& bucket : layout_->group(g).buckets()) {
     const int64_t begin = std::max(offset, bucket.shard_offset);
-    const int64_t end =
-        std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
+    const int64_t end = std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
     if (begin < end) {
       master_slice(g, bucket)
           .narrow(0, begin - bucket.shard_offset, end - begin)
@@ -105,8 +104,7 @@ void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::T
   const GroupLayout& layout = layout_->group(g);
   for (const auto& bucket : layout.buckets()) {
     const int64_t begin = std::max(offset, bucket.shard_offset);
-    const int64_t end =
-        std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
+    const int64_t end = std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
     if (begin < end) {
       shard.flat_param
           .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()) + begin - bucket.shard_offset,

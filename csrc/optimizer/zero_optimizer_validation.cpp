@@ -49,9 +49,9 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                       ".ratio must be in [0, 1] (the fraction of the optimizer state offloaded), "
                       "got ",
                       offload.ratio());
-    TORCH_CHECK_VALUE(offload.buffer_count() >= 0 && offload.buffer_size() >= 0 &&
-                          offload.max_in_cpu() >= 0,
-                      which, ": buffer_count, buffer_size and max_in_cpu must be >= 0");
+    TORCH_CHECK_VALUE(
+        offload.buffer_count() >= 0 && offload.buffer_size() >= 0 && offload.max_in_cpu() >= 0,
+        which, ": buffer_count, buffer_size and max_in_cpu must be >= 0");
   }
   TORCH_CHECK_VALUE(!options.offload_param().enabled() || options.stage() == 3,
                     "offload_param moves parameter shards and needs ZeRO stage 3 (as in "

@@ -73,21 +73,33 @@ TEST(DeepSpeedConfigTest, SeedZero3ConfigLoadsUnchanged) {
   EXPECT_FALSE(config.fp16.enabled);
   EXPECT_FALSE(config.bf16.enabled);
 
-  // Offload is recorded, and refused only when training would start.
-  ASSERT_EQ(config.unsupported.size(), 2u);
-  const std::string error = ErrorOf([&] { check_supported(config); });
-  EXPECT_ERROR_HAS(error,
-                   "zero_optimization.offload_optimizer.device = \"cpu\" is not supported yet by "
-                   "zeroshard");
-  EXPECT_ERROR_HAS(error, "zero_optimization.offload_param.device = \"cpu\"");
-  EXPECT_ERROR_HAS(error, "ignore_unsupported");
+  // CPU offload of both kinds is supported: the sections reach ZeroOptions
+  // with DeepSpeed's defaults for what they leave out.
+  EXPECT_TRUE(config.unsupported.empty()) << config.unsupported.front();
+  EXPECT_NO_THROW(check_supported(config));
+  EXPECT_EQ(config.zero.offload_optimizer().device(), OffloadDevice::kCPU);
+  EXPECT_EQ(config.zero.offload_param().device(), OffloadDevice::kCPU);
+  EXPECT_DOUBLE_EQ(config.zero.offload_optimizer().ratio(), 1.0);
+  EXPECT_FALSE(config.zero.offload_optimizer().pin_memory());
+  EXPECT_EQ(config.zero.offload_param().buffer_count(), 5);
+  EXPECT_EQ(config.zero.offload_param().max_in_cpu(), 1000000000);
+  EXPECT_EQ(config.zero.sub_group_size(), 1000000000);
 
-  json opted_in = seed;
-  opted_in["zeroshard"] = {{"ignore_unsupported", true}};
-  const DeepSpeedConfig ignoring = parse_deepspeed_config(opted_in, 8);
-  EXPECT_TRUE(ignoring.ignore_unsupported);
-  EXPECT_EQ(ignoring.unsupported.size(), 2u);
-  EXPECT_NO_THROW(check_supported(ignoring));
+  json tuned = seed;
+  tuned["zero_optimization"]["offload_optimizer"] = {
+      {"device", "cpu"}, {"pin_memory", true}, {"ratio", 0.25}};
+  tuned["zero_optimization"]["sub_group_size"] = 1e8;
+  const DeepSpeedConfig partial = parse_deepspeed_config(tuned, 8);
+  EXPECT_TRUE(partial.zero.offload_optimizer().pin_memory());
+  EXPECT_DOUBLE_EQ(partial.zero.offload_optimizer().ratio(), 0.25);
+  EXPECT_EQ(partial.zero.sub_group_size(), 100000000);
+
+  // Parameter offload below stage 3 is an error naming the key (DeepSpeed: stage 3 only).
+  json stage2 = seed;
+  stage2["zero_optimization"]["stage"] = 2;
+  EXPECT_ERROR_HAS(ErrorOf([&] { parse_deepspeed_config(stage2, 8); }),
+                   "zero_optimization.offload_param.device = \"cpu\" offloads parameter "
+                   "shards, which needs ZeRO stage 3");
 
   // The same config at another world size has an inconsistent batch triple.
   EXPECT_ERROR_HAS(ParseError(seed, 4),
@@ -285,6 +297,7 @@ TEST(DeepSpeedConfigTest, RecognisedButUnimplementedSettingsAreListed) {
               {"tensorboard", {{"enabled", true}}}}),
       1);
   EXPECT_EQ(config.offload_optimizer, OffloadDevice::kNVMe);
+  EXPECT_FALSE(config.zero.offload_optimizer().enabled()) << "ignored NVMe trains on the device";
   ASSERT_EQ(config.unsupported.size(), 5u);
   const std::string error = ErrorOf([&] { check_supported(config); });
   for (const char* text :

@@ -27,7 +27,7 @@ namespace zeroshard {
 
 // [Note: Unsupported settings]
 // A config written for DeepSpeed may ask for features zeroshard does not
-// have yet (CPU/NVMe offload, quantized or hierarchical collectives, apex
+// have yet (NVMe offload, quantized or hierarchical collectives, apex
 // AMP...). parse_deepspeed_config() accepts them, records their values and
 // lists each in DeepSpeedConfig::unsupported, so that a config can always be
 // read, inspected and estimated (memory_estimator.h) before any training.
@@ -97,7 +97,9 @@ struct DeepSpeedConfig {
   // DeepSpeed's for reduce_bucket_size (5e6, not 5e8) and overlap_comm (on at every stage, not
   // only stage 3): see zero_options.h for why.
   ZeroOptions zero;
-  OffloadDevice offload_optimizer = OffloadDevice::kNone;  // see [Note: Unsupported settings]
+  // The offload devices as written (CPU offload is in zero.offload_optimizer()
+  // and zero.offload_param(); NVMe is listed in `unsupported`).
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;
   OffloadDevice offload_param = OffloadDevice::kNone;
 
   // "Adam", "AdamW" or "SGD": what DeepSpeed would run. DeepSpeed runs "Adam" as AdamW unless
@@ -129,7 +131,7 @@ struct DeepSpeedConfig {
   bool raise_on_nonfinite = false;
 
   // One line per setting zeroshard does not implement yet, e.g.
-  //   zero_optimization.offload_optimizer.device = "cpu" is not supported yet by zeroshard (...)
+  //   zero_optimization.offload_optimizer.device = "nvme" is not supported yet by zeroshard (...)
   std::vector<std::string> unsupported;
 };
 

@@ -53,10 +53,17 @@ struct HostSgdArgs {
   int64_t step = 1;  // 1: the momentum buffer starts as the gradient (torch.optim)
 };
 
-void host_adam_step(const HostAdamArgs& args);
-void host_sgd_step(const HostSgdArgs& args);
+// kAuto: the variant ATen would pick on this CPU. An explicit variant (tests,
+// benchmarks) must be one this CPU supports: host_kernel_variant_supported.
+enum class HostKernelVariant { kAuto, kDefault, kAVX2, kAVX512 };
 
-// The variant host_adam_step runs here: "DEFAULT", "AVX2" or "AVX512".
+void host_adam_step(const HostAdamArgs& args, HostKernelVariant variant = HostKernelVariant::kAuto);
+void host_sgd_step(const HostSgdArgs& args, HostKernelVariant variant = HostKernelVariant::kAuto);
+
+bool host_kernel_variant_supported(HostKernelVariant variant);
+// The variant kAuto runs here: "DEFAULT", "AVX2" or "AVX512".
 std::string host_kernel_capability();
+// "DEFAULT", "AVX2", "AVX512" -> variant; throws naming the choices.
+HostKernelVariant parse_host_kernel_variant(const std::string& name);
 
 }  // namespace zeroshard

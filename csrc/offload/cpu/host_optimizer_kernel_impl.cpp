@@ -43,8 +43,8 @@ constexpr int64_t kGrainElements = 32768;
 struct NoOut {};  // the caller wants no parameter copy
 
 struct AdamConstants {
-  Vec grad_scale, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt,
-      eps, neg_step_size;
+  Vec grad_scale, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+      inv_bias_correction2_sqrt, eps, neg_step_size;
   bool has_weight_decay;
 };
 
