@@ -209,8 +209,11 @@ py::dict comm_stats_dict(const CommStats& stats) {
 EstimateOptions estimate_options(double num_params, double largest_unit_params, int64_t world_size,
                                  int64_t ranks_per_node, const std::string& precision,
                                  const std::string& optimizer, const std::string& offload_optimizer,
-                                 const std::string& offload_param) {
+                                 const std::string& offload_param, double offload_ratio = 1.0,
+                                 double sub_group_size = 1e9) {
   return EstimateOptions()
+      .offload_ratio(offload_ratio)
+      .sub_group_size(sub_group_size)
       .num_params(num_params)
       .largest_unit_params(largest_unit_params)
       .world_size(world_size)
@@ -263,15 +266,18 @@ PYBIND11_MODULE(_C, m) {
       "estimate_memory",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
          int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
-         const std::string& offload_optimizer, const std::string& offload_param) {
+         const std::string& offload_optimizer, const std::string& offload_param,
+         double offload_ratio, double sub_group_size) {
         return zeroshard::estimate_dict(zeroshard::estimate_memory(
             stage,
             zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
-                                        precision, optimizer, offload_optimizer, offload_param)));
+                                        precision, optimizer, offload_optimizer, offload_param,
+                                        offload_ratio, sub_group_size)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
-      py::arg("offload_optimizer"), py::arg("offload_param"));
+      py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
+      py::arg("sub_group_size") = 1e9);
   m.def(
       "deepspeed_estimate",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,

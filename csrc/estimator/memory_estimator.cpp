@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 
 namespace zeroshard {
@@ -119,7 +120,31 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
       bytes = 0;
     }
   };
-  offload(options.offload_optimizer(), estimate.optimizer_bytes);
+  if (options.offload_optimizer() == OffloadDevice::kCPU && stage >= 1) {
+    // What OffloadedOptimizerState allocates for one parameter group.
+    TORCH_CHECK_VALUE(options.offload_ratio() >= 0 && options.offload_ratio() <= 1,
+                      "offload_ratio must be in [0, 1], got ", options.offload_ratio());
+    TORCH_CHECK_VALUE(options.sub_group_size() >= 1, "sub_group_size must be >= 1, got ",
+                      options.sub_group_size());
+    const double shard = psi / n;
+    const double states =
+        per.optimizer - (options.precision() == PrecisionRecipe::kMixed16 ? 4 : 0);
+    const double sub = options.sub_group_size();
+    // Sub-groups are full-sized but the last; the first (1 - ratio) stay.
+    const double sub_groups = std::ceil(shard / sub);
+    const double on_device = std::floor((1 - options.offload_ratio()) * sub_groups + 1e-9);
+    const double device_elements = std::min(shard, on_device * sub);
+    const double host_elements = shard - device_elements;
+    const double host_groups = sub_groups - on_device;
+    const double largest_host = host_groups > 1 ? sub : host_elements;
+    const double per_element = 4 + states;  // fp32 master + moments
+    const double staging = std::min(2.0, host_groups) * largest_host * (4 + per.param);
+    estimate.optimizer_bytes = per_element * device_elements;
+    estimate.cpu_bytes_per_node +=
+        (per_element * host_elements + staging) * static_cast<double>(options.ranks_per_node());
+  } else {
+    offload(options.offload_optimizer(), estimate.optimizer_bytes);
+  }
   offload(options.offload_param(), estimate.param_bytes);
   estimate.device_bytes = estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes +
                           estimate.working_bytes;

@@ -81,6 +81,8 @@ def estimate(
     offload_param: str = "none",
     largest_unit_params: float | None = None,
     stages: Sequence[int] = (0, 1, 2, 3),
+    offload_ratio: float = 1.0,
+    sub_group_size: float = 1e9,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -89,7 +91,9 @@ def estimate(
     or ``"fp32"``. ``optimizer``: ``"adam"``/``"adamw"`` (two states),
     ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
-    ignored (reported as not applicable) below it.
+    ignored (reported as not applicable) below it. ``offload_ratio`` and
+    ``sub_group_size`` are those of CPU optimizer offload (``cpu_bytes_per_node``
+    includes its staging buffers, see ``zeroshard::EstimateOptions``).
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -114,6 +118,8 @@ def estimate(
                 optimizer,
                 optimizer_offload,
                 param_offload,
+                float(offload_ratio),
+                float(sub_group_size),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

@@ -35,7 +35,17 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
           OffloadDevice::kCPU);
   auto e = estimate_memory(2, options);
   EXPECT_EQ(e.optimizer_bytes, 0);
-  EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9);  // 12 bytes x 1e9 / 8 ranks x 8 ranks
+  // Per rank: 12 bytes x 1e9 / 8 of state, plus one staging slot of the
+  // whole shard (a single sub-group) in fp32 and bf16: 6 bytes x 1e9 / 8.
+  EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9 + 6e9);
+  // Ten sub-groups of 1.25e7: two staging slots; ratio 0.5 keeps five on the device.
+  auto partial =
+      estimate_memory(2, EstimateOptions(options).sub_group_size(1.25e7).offload_ratio(0.5));
+  EXPECT_DOUBLE_EQ(partial.optimizer_bytes, 12 * 1.25e8 / 2);
+  EXPECT_DOUBLE_EQ(partial.cpu_bytes_per_node, (12 * 1.25e8 / 2 + 2 * 1.25e7 * 6) * 8);
+  // fp32 parameters: the offloaded master is a copy of its own (12 bytes, not 8).
+  auto fp32 = estimate_memory(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32));
+  EXPECT_DOUBLE_EQ(fp32.cpu_bytes_per_node, (12 * 1.25e8 + 8 * 1.25e8) * 8);
   auto nvme = estimate_memory(3, EstimateOptions(options)
                                      .offload_optimizer(OffloadDevice::kNVMe)
                                      .offload_param(OffloadDevice::kNVMe)

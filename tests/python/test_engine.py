@@ -155,12 +155,18 @@ def test_bf16_loss_curve_follows_fp32() -> None:
 # ---- Overflow handling --------------------------------------------------------------
 
 
-def _overflow(rank: int, world_size: int, stage: int, min_scale_case: bool) -> dict[str, Any]:
+def _overflow(
+    rank: int, world_size: int, stage: int, min_scale_case: bool, offload: bool = False
+) -> dict[str, Any]:
     model = make_gpt(seed=0).to(torch.float16)
     fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     if min_scale_case:
         fp16.update({"initial_scale_power": 1, "min_loss_scale": 1})
     cfg = config(torch.float16, stage, fp16=fp16)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, optimizer, _, _ = zeroshard.initialize(model=model, config=cfg)
     poison = {"on": False}
 
@@ -173,6 +179,7 @@ def _overflow(rank: int, world_size: int, stage: int, min_scale_case: bool) -> d
     for step in range(4):
         poison["on"] = step == 2 or (min_scale_case and step >= 1)
         before = optimizer.full_state_dict(rank=0)  # collective; empty off rank 0
+        shard_before = optimizer.state_dict()["zeroshard_shard"]
         scale_before = engine.loss_scale
         for micro in range(ACCUMULATION):
             tokens = batch(step, micro, rank, world_size)
@@ -180,18 +187,35 @@ def _overflow(rank: int, world_size: int, stage: int, min_scale_case: bool) -> d
             engine.step()
         after = optimizer.full_state_dict(rank=0)
         unchanged = all(torch.equal(before[k], after[k]) for k in before) if rank == 0 else None
-        events.append((step, scale_before, engine.loss_scale, engine.skipped_steps, unchanged))
+        # This rank's optimizer state (with offload: the host master and moments).
+        shard_after = optimizer.state_dict()["zeroshard_shard"]
+        state_unchanged = all(torch.equal(shard_before[k], shard_after[k]) for k in shard_before)
+        events.append(
+            (
+                step,
+                scale_before,
+                engine.loss_scale,
+                engine.skipped_steps,
+                unchanged,
+                state_unchanged,
+            )
+        )
     return {"events": events}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_an_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(stage) -> None:
-    results = unwrap(run_ranks(2, _overflow, stage, False))
+@pytest.mark.parametrize(
+    ("stage", "offload"),
+    [(2, False), (3, False), (2, True), (3, True)],
+    ids=["stage2", "stage3", "stage2_offload", "stage3_offload_params_too"],
+)
+def test_an_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(stage, offload) -> None:
+    results = unwrap(run_ranks(2, _overflow, stage, False, offload))
     for rank, r in enumerate(results):
-        for step, before, after, skipped, unchanged in r["events"]:
+        for step, before, after, skipped, unchanged, state_unchanged in r["events"]:
             print(f"rank {rank} step {step}: scale {before} -> {after}, skipped {skipped}")
             if step == 2:
                 assert after == before / 2 and skipped == 1
+                assert state_unchanged, "a skipped step changed the optimizer state"
                 if rank == 0:
                     assert unchanged, "a skipped step changed the parameters"
             elif step < 2:
@@ -234,9 +258,13 @@ CONFIG_ERRORS = {
         {**_BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 10}},
         'did you mean "stage3_prefetch_bucket_size"?',
     ),
-    "offload_not_supported_yet": (
-        {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+    "nvme_offload_not_supported_yet": (
+        {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
         "not supported yet",
+    ),
+    "param_offload_below_stage3": (
+        {**_BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+        "offloads parameter shards, which needs ZeRO stage 3",
     ),
     "bad_stage_type": (
         {**_BASE, "zero_optimization": {"stage": "three"}},
@@ -261,11 +289,48 @@ def test_the_seed_zero3_config_loads_unchanged() -> None:
     # seeds/002 section 4.2, verbatim: 1024 = 8 per GPU x 16 accumulation x 8 GPUs.
     parsed = zeroshard._C.load_deepspeed_config(SEED_CONFIG, 8)
     assert (parsed.train_batch_size, parsed.zero_stage) == (1024, 3)
-    print(parsed.unsupported)
-    # It asks for CPU offload, which is not supported yet: initialize says so.
-    assert any("offload_optimizer" in u for u in parsed.unsupported)
-    with pytest.raises(ValueError, match="not supported yet"):
-        parsed.check_supported()
+    # It asks for CPU offload of the optimizer state and the parameters: supported.
+    assert list(parsed.unsupported) == []
+    parsed.check_supported()
+
+
+def _train_seed_config(rank: int, world_size: int, offload: bool) -> dict[str, Any]:
+    with open(SEED_CONFIG) as f:
+        cfg = json.load(f)
+    # Only the batch numbers adapted: 8 per rank x 16 micro-batches x world size.
+    cfg["train_batch_size"] = 8 * 16 * world_size
+    if not offload:  # the yardstick: the same config with the state on the device
+        del cfg["zero_optimization"]["offload_optimizer"], cfg["zero_optimization"]["offload_param"]
+    model = make_gpt(seed=0)
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=cfg)
+    for step in range(3):
+        for micro in range(16):
+            g = torch.Generator().manual_seed(50_000 + 100 * step + micro)
+            tokens = torch.randint(0, VOCAB, (8 * world_size, SEQ), generator=g)
+            local = tokens[8 * rank : 8 * (rank + 1)]
+            engine.backward(loss_of(engine(local), local))
+            engine.step()
+    return {
+        "master": optimizer.full_state_dict(rank=0),
+        "host_bytes": optimizer.host_model_state_bytes(),
+        "global_steps": engine.global_steps,
+    }
+
+
+def test_the_seed_zero3_config_with_cpu_offload_trains() -> None:
+    moved = unwrap(run_ranks(2, _train_seed_config, True))
+    plain = unwrap(run_ranks(2, _train_seed_config, False))[0]
+    for r in moved:
+        assert r["global_steps"] == 3
+        assert r["host_bytes"] > 0, "state was offloaded to host memory"
+    diff = max((moved[0]["master"][k] - v).abs().max().item() for k, v in plain["master"].items())
+    initial = dict(make_gpt(seed=0).named_parameters(remove_duplicate=False))
+    moved_from_start = max(
+        (v - initial[k].detach()).abs().max().item() for k, v in moved[0]["master"].items()
+    )
+    print(f"offloaded vs on-device master: {diff:.3e}; moved from init by {moved_from_start:.3e}")
+    assert moved_from_start > 1e-5, "the parameters were trained"
+    assert diff <= 1e-6
 
 
 # ---- Schedule and telemetry ---------------------------------------------------------

@@ -8,7 +8,6 @@ parameter values are copied back), so these tests cover its logic.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -155,3 +154,186 @@ def test_bf16_offload_matches_bf16_without_offload(stage: int) -> None:
     # The parameters the model uses are the master rounded to nearest even.
     for master, param in zip(moved["master"], moved["params"], strict=True):
         assert torch.equal(master.to(torch.bfloat16), param)
+
+
+# ---- Where the bytes are -------------------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    """One parameter group of ~100k elements: bucket padding stays far below 3%."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 128)
+        ).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+_BYTES_CASES = [
+    (1, torch.float32, {"offload_optimizer": "cpu"}),
+    (2, torch.float32, {"offload_optimizer": "cpu", "sub_group_size": 20_000}),
+    (
+        2,
+        torch.bfloat16,
+        {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": 10_000},
+    ),
+    (3, torch.float32, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+    (3, torch.bfloat16, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+]
+
+
+def _measure(rank: int, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for stage, dtype, kwargs in _BYTES_CASES:
+        torch.manual_seed(0)
+        model = _Mlp(dtype)
+        stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+        optimizer = zeroshard.ZeroOptimizer(
+            model.parameters(), "adamw", stage=stage, **stage3, **kwargs
+        )
+        x = torch.randn(8, 128, dtype=dtype)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            grads = optimizer.gradient_bytes()  # what backward leaves (full .grad at stage 1)
+            optimizer.step()
+        out.append(
+            {
+                "stage": stage,
+                "precision": "fp32" if dtype == torch.float32 else "mixed16",
+                "kwargs": kwargs,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                # Between steps nothing is gathered at stage 3 (threshold 0).
+                "device": optimizer.device_model_state_bytes() - optimizer.gradient_bytes() + grads,
+                "host": optimizer.host_model_state_bytes(),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_device_and_host_bytes_equal_the_estimate(world_size: int) -> None:
+    for rank_rows in unwrap(run_ranks(world_size, _measure)):
+        for row in rank_rows:
+            kwargs = row["kwargs"]
+            offload = kwargs["offload_optimizer"]
+            ratio = offload.get("ratio", 1.0) if isinstance(offload, dict) else 1.0
+            estimate = zeroshard.estimate(
+                row["num_params"],
+                world_size=world_size,
+                precision=row["precision"],
+                stages=(row["stage"],),
+                offload_optimizer="cpu",
+                offload_param=kwargs.get("offload_param", "none"),
+                offload_ratio=ratio,
+                sub_group_size=kwargs.get("sub_group_size", 1e9),
+            )[0]
+            for where, estimated in (
+                ("device", estimate["model_state_bytes"]),
+                ("host", estimate["cpu_bytes_per_node"]),
+            ):
+                error = abs(row[where] - estimated) / estimated
+                print(
+                    f"W={world_size} stage {row['stage']} {row['precision']} {kwargs}: {where} "
+                    f"measured {row[where]} B, estimated {estimated:.0f} B, {100 * error:.2f}%"
+                )
+                assert error <= 0.03, (where, row, estimated)
+
+
+# ---- Bad input -----------------------------------------------------------------------
+
+
+def _construct_error(rank: int, world_size: int, stage: int, kwargs: dict[str, Any]) -> str:
+    model = make_model(seed=0)
+    stage3 = {"module": model} if stage == 3 else {}
+    try:
+        zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, **stage3, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("stage", "kwargs", "expected"),
+    [
+        (
+            2,
+            {"offload_param": "cpu"},
+            "offload_param moves parameter shards and needs ZeRO stage 3",
+        ),
+        (
+            1,
+            {"offload_optimizer": "gpu"},
+            "unknown offload device 'gpu'; expected 'none', 'cpu' or 'nvme'",
+        ),
+        (2, {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "ratio must be in [0, 1]"),
+        (2, {"offload_optimizer": "cpu", "sub_group_size": 0}, "sub_group_size must be > 0"),
+        (
+            3,
+            {"offload_param": {"device": "cpu", "ratio": 0.5}},
+            "unknown offload_param key(s) ['ratio']",
+        ),
+    ],
+    ids=["param_below_stage3", "unknown_device", "ratio", "sub_group_size", "param_ratio"],
+)
+def test_bad_offload_settings_fail_on_every_rank(stage: int, kwargs: dict, expected: str) -> None:
+    for message in run_ranks(2, _construct_error, stage, kwargs):
+        print(message)
+        assert expected in message
+
+
+# ---- Save, load, continue -------------------------------------------------------------
+
+
+def _resume(rank: int, world_size: int, stage: int, kwargs: dict[str, Any]) -> float:
+    import io
+
+    def build() -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
+        model = make_model(seed=0)
+        extra = {"module": model} if stage == 3 else {}
+        optimizer = zeroshard.ZeroOptimizer(
+            param_groups(model, LRS), "adamw", stage=stage, weight_decay=0.1, **extra, **kwargs
+        )
+        return model, optimizer
+
+    def run(model: nn.Module, optimizer: zeroshard.ZeroOptimizer, steps: range) -> None:
+        for step in steps:
+            optimizer.zero_grad()
+            tokens, targets = _micro(step, 0, rank, world_size)
+            _loss(model, tokens, targets, step).backward()
+            optimizer.step()
+
+    straight_model, straight = build()
+    run(straight_model, straight, range(STEPS))
+    expected = [t for group in straight._impl.full_parameters(0) for t in group]
+
+    first_model, first = build()
+    run(first_model, first, range(STEPS // 2))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    del first, first_model
+
+    resumed_model, resumed = build()  # fresh values: the load must restore them
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    run(resumed_model, resumed, range(STEPS // 2, STEPS))
+    got = [t for group in resumed._impl.full_parameters(0) for t in group]
+    return _max_diff(got, expected) if rank == 0 else 0.0
+
+
+@pytest.mark.parametrize(
+    ("stage", "kwargs"),
+    [
+        (1, {"offload_optimizer": "cpu"}),
+        (2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": 13}),
+        (3, {"offload_optimizer": "cpu", "offload_param": "cpu"}),
+    ],
+    ids=["stage1", "stage2_partial", "stage3_params_too"],
+)
+def test_save_load_continue_equals_uninterrupted(stage: int, kwargs: dict[str, Any]) -> None:
+    diffs = unwrap(run_ranks(2, _resume, stage, kwargs))
+    print(f"stage {stage}: resumed vs uninterrupted max abs diff {diffs[0]:.3e}")
+    assert diffs[0] == 0.0, "resuming replays the same arithmetic"

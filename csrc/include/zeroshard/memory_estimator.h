@@ -33,17 +33,27 @@ struct EstimateOptions {
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
   TORCH_ARG(OffloadDevice, offload_optimizer) = OffloadDevice::kNone;
   TORCH_ARG(OffloadDevice, offload_param) = OffloadDevice::kNone;
+  // CPU optimizer offload as zeroshard runs it (see state_placement.h): the
+  // fraction of sub-groups offloaded and their size, which sizes the host
+  // staging buffers.
+  TORCH_ARG(double, offload_ratio) = 1.0;
+  TORCH_ARG(double, sub_group_size) = 1e9;
 };
 
 // Bytes per rank unless named per node.
 struct MemoryEstimate {
   int64_t stage = 0;
-  double param_bytes = 0;          // on the device, between steps
-  double grad_bytes = 0;           // on the device, after backward
-  double optimizer_bytes = 0;      // on the device (fp32 master + states)
-  double working_bytes = 0;        // stage 3: the largest unit gathered (params + grads)
-  double device_bytes = 0;         // all of the above
-  double cpu_bytes_per_node = 0;   // offloaded to CPU memory, all ranks of a node
+  double param_bytes = 0;      // on the device, between steps
+  double grad_bytes = 0;       // on the device, after backward
+  double optimizer_bytes = 0;  // on the device (fp32 master + states)
+  double working_bytes = 0;    // stage 3: the largest unit gathered (params + grads)
+  double device_bytes = 0;     // all of the above
+  // Offloaded to CPU memory, all ranks of a node. For CPU optimizer offload:
+  // the fp32 master (a copy of its own even for fp32 parameters) and moments
+  // of the offloaded sub-groups, plus the staging buffers of the offloaded
+  // step (the gradient in fp32 and the returning parameters, one or two
+  // sub-groups of each).
+  double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };
 
