@@ -50,6 +50,10 @@ ZEROSHARD = [
     "zeroshard_stage3",
     "zeroshard_stage3_nowindow",
 ]
+# CPU offload of the optimizer state and (stage 3) the parameters, against
+# DeepSpeed with the same offload config:
+#   python benchmarks/run_benchmarks.py --variants offload --out benchmarks/results/offload
+OFFLOAD = ["zeroshard_stage3", "zeroshard_stage3_offload", "deepspeed_stage3_offload"]
 PEERS = ["ddp_adamw", "zero_redundancy_optimizer", "fsdp2"]
 DEEPSPEED = ["deepspeed_stage1", "deepspeed_stage2", "deepspeed_stage3"]
 
@@ -114,6 +118,9 @@ class Variant:
             # all-to-all plus local sum, to show what the all-to-all buys.
             if name.endswith("_rsallreduce"):
                 stage3["gloo_reduce_scatter_all_to_all"] = False
+            if name.endswith("_offload"):
+                stage3["offload_optimizer"] = "cpu"
+                stage3["offload_param"] = "cpu"
             self.optimizer = zeroshard.ZeroOptimizer(
                 model.parameters(),
                 "adamw",
@@ -129,8 +136,12 @@ class Variant:
                 "train_micro_batch_size_per_gpu": args.global_batch // world,
                 "gradient_accumulation_steps": 1,
                 "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                "zero_optimization": {"stage": int(name[-1])},
+                "zero_optimization": {"stage": int(name[len("deepspeed_stage")])},
             }
+            if name.endswith("_offload"):
+                config["zero_optimization"].update(
+                    {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+                )
             self.model, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config=config
             )
@@ -179,6 +190,7 @@ class Variant:
             "deepspeed_stage1": 2 * psi,
             "deepspeed_stage2": 2 * psi,
             "deepspeed_stage3": 3 * psi,
+            "deepspeed_stage3_offload": 3 * psi,
         }
         return by_design[self.name], "by design"
 
@@ -342,9 +354,15 @@ def main() -> None:
     default_variants = ZEROSHARD + PEERS
     if importlib.util.find_spec("deepspeed") is not None:
         default_variants += DEEPSPEED
-    parser.add_argument("--variants", default=",".join(default_variants))
+    parser.add_argument(
+        "--variants",
+        default=",".join(default_variants),
+        help="comma-separated names, or 'offload' for the CPU-offload comparison",
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers"))
     args = parser.parse_args()
+    if args.variants == "offload":
+        args.variants = ",".join(OFFLOAD)
 
     rows = {}
     for name in args.variants.split(","):

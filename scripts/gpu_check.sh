@@ -3,7 +3,8 @@
 # (no network needed): builds the extension against that torch, runs the CUDA
 # test subset (CUDA tensors through stages 1 and 2 at world size 1 over NCCL,
 # and two ranks sharing the GPU over Gloo), then a short optimizer benchmark
-# against torch.optim.AdamW (default, foreach, fused) on the GPU. Everything
+# against torch.optim.AdamW (default, foreach, fused) on the GPU, and the host
+# (CPU offload) Adam kernel benchmark on that machine's CPU. Everything
 # goes to one folder: $OUT if set (the device tool's output folder), else
 # gpu_check_results/. Budget: well under 8 minutes.
 set -uo pipefail
@@ -35,6 +36,10 @@ status=0
   echo "== optimizer benchmark on the GPU"
   timeout 120 "$PYTHON" benchmarks/bench_cpu_optimizer.py --device cuda --numel 50000000 \
     --out "$RESULTS/gpu_optimizer.md" || status=1
+
+  echo "== host Adam kernel (CPU offload) on this machine's CPU"
+  timeout 150 "$PYTHON" benchmarks/bench_host_adam.py --sizes 16M,64M --threads 1,4 \
+    --out "$RESULTS/host_adam.md" || status=1
   echo "== done, status $status"
   exit "$status"
 } 2>&1 | tee "$LOG"

@@ -34,8 +34,6 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
-// Two vectors per iteration: one packed 16-bit store of the result.
-constexpr int64_t kChunk = 2 * kLanes;
 // Elements per parallel task: small tasks cost more in scheduling than they
 // gain (ATen's GRAIN_SIZE).
 constexpr int64_t kGrainElements = 32768;
@@ -68,12 +66,14 @@ AdamConstants adam_constants(const HostAdamArgs& a) {
   return c;
 }
 
-// `count` (<= kLanes) elements at `offset`; returns the updated parameter.
+// The update of one vector of elements, already loaded. Loads and stores
+// are the caller's: it loads a whole chunk before computing, so the loads of
+// several vectors are in flight together (the pointers may alias as far as
+// the compiler knows, so it would not move a load above an earlier store).
 template <bool kAmsgrad, bool kDecoupled>
-inline Vec adam_lanes(const AdamConstants& c, const HostAdamArgs& a, int64_t offset,
-                      int64_t count) {
-  Vec param = Vec::loadu(a.param + offset, count);
-  Vec grad = Vec::loadu(a.grad + offset, count) * c.grad_scale;
+inline void adam_math(const AdamConstants& c, Vec& param, Vec grad, Vec& exp_avg, Vec& exp_avg_sq,
+                      Vec& max_exp_avg_sq) {
+  grad = grad * c.grad_scale;
   if (c.has_weight_decay) {
     if constexpr (kDecoupled) {
       param = param * c.decay;  // param.mul_(1 - lr * weight_decay)
@@ -82,15 +82,14 @@ inline Vec adam_lanes(const AdamConstants& c, const HostAdamArgs& a, int64_t off
     }
   }
   // exp_avg.lerp_(grad, 1 - beta1): ATen's lerp for a weight below 0.5.
-  Vec exp_avg = Vec::loadu(a.exp_avg + offset, count);
   exp_avg = at::vec::fmadd(c.one_minus_beta1, grad - exp_avg, exp_avg);
   // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-  Vec exp_avg_sq = Vec::loadu(a.exp_avg_sq + offset, count) * c.beta2;
+  exp_avg_sq = exp_avg_sq * c.beta2;
   exp_avg_sq = exp_avg_sq + c.one_minus_beta2 * grad * grad;
   Vec second = exp_avg_sq;
   if constexpr (kAmsgrad) {
-    second = at::vec::maximum(Vec::loadu(a.max_exp_avg_sq + offset, count), exp_avg_sq);
-    second.store(a.max_exp_avg_sq + offset, count);
+    max_exp_avg_sq = at::vec::maximum(max_exp_avg_sq, exp_avg_sq);
+    second = max_exp_avg_sq;
   }
   // denom = (sqrt(v) / sqrt(bias_correction2)) + eps, the division as a
   // multiply by the reciprocal (within an ulp; divisions bound the kernel's
@@ -98,36 +97,79 @@ inline Vec adam_lanes(const AdamConstants& c, const HostAdamArgs& a, int64_t off
   // value=-step_size)
   const Vec denom = at::vec::fmadd(second.sqrt(), c.inv_bias_correction2_sqrt, c.eps);
   param = param + c.neg_step_size * exp_avg / denom;
-  exp_avg.store(a.exp_avg + offset, count);
-  exp_avg_sq.store(a.exp_avg_sq + offset, count);
-  param.store(a.param + offset, count);
-  return param;
 }
 
-// Writes two vectors' worth (n0 + n1 elements) of updated parameters.
+// Vectors per chunk: enough loads in flight to keep a core's memory
+// pipeline busy; even, for the packed 16-bit stores.
+constexpr int64_t kVectors = 8;
+constexpr int64_t kChunk = kVectors * kLanes;
+constexpr int64_t kPrefetchDistance = 16 * 128;  // elements ahead of the chunk being read
+
+// Writes vectors [0, kVectors) of a chunk (counts[u] elements each) of
+// updated parameters.
 template <typename Out>
-inline void store_param_out(void* out, int64_t offset, const Vec& p0, int64_t n0, const Vec& p1,
-                            int64_t n1) {
+inline void store_param_out(void* out, int64_t offset, const Vec* params, const int64_t* counts) {
   if constexpr (std::is_same_v<Out, float>) {
     float* dst = static_cast<float*>(out) + offset;
-    p0.store(dst, n0);
-    if (n1 > 0) {
-      p1.store(dst + kLanes, n1);
+    for (int64_t u = 0; u < kVectors && counts[u] > 0; ++u) {
+      params[u].store(dst + u * kLanes, counts[u]);
     }
   } else if constexpr (!std::is_same_v<Out, NoOut>) {
     // Rounds to nearest even, as c10::BFloat16(float) and c10::Half(float).
-    at::vec::convert_from_float<Out>(p0, p1).store(static_cast<Out*>(out) + offset, n0 + n1);
+    Out* dst = static_cast<Out*>(out) + offset;
+    for (int64_t u = 0; u < kVectors && counts[u] > 0; u += 2) {
+      at::vec::convert_from_float<Out>(params[u], params[u + 1])
+          .store(dst + u * kLanes, counts[u] + counts[u + 1]);
+    }
   }
 }
 
 template <typename Out, bool kAmsgrad, bool kDecoupled>
 void adam_chunks(const HostAdamArgs& a, const AdamConstants& c, int64_t begin, int64_t end) {
+  Vec p[kVectors], g[kVectors], m[kVectors], v[kVectors], vmax[kVectors];
+  int64_t counts[kVectors];
   for (int64_t i = begin; i < end; i += kChunk) {
-    const int64_t n0 = std::min(kLanes, end - i);
-    const int64_t n1 = std::clamp<int64_t>(end - i - kLanes, 0, kLanes);
-    const Vec p0 = adam_lanes<kAmsgrad, kDecoupled>(c, a, i, n0);
-    const Vec p1 = n1 > 0 ? adam_lanes<kAmsgrad, kDecoupled>(c, a, i + kLanes, n1) : Vec(0.0f);
-    store_param_out<Out>(a.param_out, i, p0, n0, p1, n1);
+    for (int64_t u = 0; u < kVectors; ++u) {
+      counts[u] = std::clamp<int64_t>(end - i - u * kLanes, 0, kLanes);
+    }
+    // Hardware prefetchers track few streams per core; five to seven arrays
+    // stream here, so ask for the lines a few chunks ahead explicitly.
+    if (i + kPrefetchDistance < end) {
+      for (int64_t line = 0; line < kChunk; line += 16) {
+        const int64_t ahead = i + kPrefetchDistance + line;
+        __builtin_prefetch(a.param + ahead, 1);
+        __builtin_prefetch(a.grad + ahead, 0);
+        __builtin_prefetch(a.exp_avg + ahead, 1);
+        __builtin_prefetch(a.exp_avg_sq + ahead, 1);
+      }
+    }
+    for (int64_t u = 0; u < kVectors; ++u) {
+      const int64_t at = i + u * kLanes;
+      if (counts[u] == 0) {
+        p[u] = g[u] = m[u] = v[u] = vmax[u] = Vec(0.0f);
+        continue;
+      }
+      p[u] = Vec::loadu(a.param + at, counts[u]);
+      g[u] = Vec::loadu(a.grad + at, counts[u]);
+      m[u] = Vec::loadu(a.exp_avg + at, counts[u]);
+      v[u] = Vec::loadu(a.exp_avg_sq + at, counts[u]);
+      if constexpr (kAmsgrad) {
+        vmax[u] = Vec::loadu(a.max_exp_avg_sq + at, counts[u]);
+      }
+    }
+    for (int64_t u = 0; u < kVectors; ++u) {
+      adam_math<kAmsgrad, kDecoupled>(c, p[u], g[u], m[u], v[u], vmax[u]);
+    }
+    for (int64_t u = 0; u < kVectors && counts[u] > 0; ++u) {
+      const int64_t at = i + u * kLanes;
+      p[u].store(a.param + at, counts[u]);
+      m[u].store(a.exp_avg + at, counts[u]);
+      v[u].store(a.exp_avg_sq + at, counts[u]);
+      if constexpr (kAmsgrad) {
+        vmax[u].store(a.max_exp_avg_sq + at, counts[u]);
+      }
+    }
+    store_param_out<Out>(a.param_out, i, p, counts);
   }
 }
 
@@ -184,12 +226,14 @@ inline Vec sgd_lanes(const SgdConstants& c, const HostSgdArgs& a, int64_t offset
 template <typename Out>
 void sgd_run(const HostSgdArgs& a, const SgdConstants& c) {
   parallel_over_chunks(a.numel, [&](int64_t begin, int64_t end) {
+    Vec p[kVectors];
+    int64_t counts[kVectors];
     for (int64_t i = begin; i < end; i += kChunk) {
-      const int64_t n0 = std::min(kLanes, end - i);
-      const int64_t n1 = std::clamp<int64_t>(end - i - kLanes, 0, kLanes);
-      const Vec p0 = sgd_lanes(c, a, i, n0);
-      const Vec p1 = n1 > 0 ? sgd_lanes(c, a, i + kLanes, n1) : Vec(0.0f);
-      store_param_out<Out>(a.param_out, i, p0, n0, p1, n1);
+      for (int64_t u = 0; u < kVectors; ++u) {
+        counts[u] = std::clamp<int64_t>(end - i - u * kLanes, 0, kLanes);
+        p[u] = counts[u] > 0 ? sgd_lanes(c, a, i + u * kLanes, counts[u]) : Vec(0.0f);
+      }
+      store_param_out<Out>(a.param_out, i, p, counts);
     }
   });
 }
