@@ -154,16 +154,16 @@ def main() -> None:
             for bf16 in (False, True):
                 # Built one at a time: at 256M each problem holds 4.6 GB.
                 kernels: dict[str, Callable[[], Callable[[], None] | None]] = {
-                    "zeroshard": lambda: zeroshard_step(Problem(numel), bf16),
-                    "torch fused": lambda: torch_step(Problem(numel), bf16, fused=True),
-                    "DeepSpeedCPUAdam": lambda: deepspeed_step(Problem(numel), bf16),
+                    "zeroshard": lambda n=numel, b=bf16: zeroshard_step(Problem(n), b),
+                    "torch fused": lambda n=numel, b=bf16: torch_step(Problem(n), b, fused=True),
+                    "DeepSpeedCPUAdam": lambda n=numel, b=bf16: deepspeed_step(Problem(n), b),
                 }
                 if not bf16:
-                    kernels["torch default"] = lambda: torch_step(
-                        Problem(numel), bf16, foreach=False
+                    kernels["torch default"] = lambda n=numel, b=bf16: torch_step(
+                        Problem(n), b, foreach=False
                     )
-                    kernels["torch foreach"] = lambda: torch_step(
-                        Problem(numel), bf16, foreach=True
+                    kernels["torch foreach"] = lambda n=numel, b=bf16: torch_step(
+                        Problem(n), b, foreach=True
                     )
                 times = {}
                 for name, make in kernels.items():
