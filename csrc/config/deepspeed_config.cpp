@@ -1,5 +1,7 @@
 #include "zeroshard/deepspeed_config.h"
 
+#include "config_section.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
@@ -20,12 +22,7 @@
 namespace zeroshard {
 namespace {
 
-using nlohmann::json;
-using Keys = std::vector<std::string>;
-
-constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kPi = 3.14159265358979323846;  // Python's math.pi
+using namespace config_detail;  // NOLINT(google-build-using-namespace): this file's helpers
 
 // ---------------------------------------------------------------------------
 // clang-format off
@@ -111,7 +108,6 @@ const Keys kBf16Keys = {
     "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
     "bf16_optimizer_states"};
 const Keys kOptimizerKeys = {"type", "params", "legacy_fusion"};
-const Keys kSchedulerKeys = {"type", "params"};
 const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file", "on_nonfinite"};
 
 // DeepSpeed's own parameters of FusedAdam/CPUAdam (bias_correction, set_grad_none) and of its
@@ -120,247 +116,13 @@ const Keys kAdamParams = {
     "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode",
     "bias_correction", "set_grad_none", "max_grad_norm"};
 const Keys kSgdParams = {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
-const Keys kWarmupLrParams = {
-    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"};
-const Keys kWarmupDecayLrParams = {
-    "total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-    "last_batch_iteration"};
-const Keys kWarmupCosineLrParams = {
-    "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-    "last_batch_iteration"};
-
 const Keys kSupportedOptimizers = {"Adam", "AdamW", "SGD"};
 // DeepSpeed's optimizers, and torch.optim classes, which DeepSpeed looks up by name.
 const Keys kOtherOptimizers = {
     "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
     "MuSGD", "Muon", "Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
     "RMSprop", "Rprop", "SparseAdam"};
-const Keys kSupportedSchedulers = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
-const Keys kOtherSchedulers = {
-    "LRRangeTest", "OneCycle", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR",
-    "ConstantLR", "LinearLR", "ExponentialLR", "PolynomialLR", "CosineAnnealingLR",
-    "ChainedScheduler", "SequentialLR", "ReduceLROnPlateau", "CyclicLR", "OneCycleLR",
-    "CosineAnnealingWarmRestarts"};
 // clang-format on
-
-// ---------------------------------------------------------------------------
-// Helpers.
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
-
-// Levenshtein distance, ignoring case (a mistyped key is as often a wrong case as a wrong
-// letter).
-size_t edit_distance(const std::string& a, const std::string& b) {
-  const std::string x = lower(a), y = lower(b);
-  std::vector<size_t> row(y.size() + 1);
-  for (size_t j = 0; j <= y.size(); ++j) {
-    row[j] = j;
-  }
-  for (size_t i = 1; i <= x.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= y.size(); ++j) {
-      const size_t above = row[j];
-      row[j] = std::min({above + 1, row[j - 1] + 1, diagonal + (x[i - 1] == y[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[y.size()];
-}
-
-std::string closest(const std::string& word, const Keys& candidates) {
-  std::string best;
-  size_t best_distance = std::numeric_limits<size_t>::max();
-  for (const auto& candidate : candidates) {
-    const size_t distance = edit_distance(word, candidate);
-    if (distance < best_distance) {
-      best = candidate;
-      best_distance = distance;
-    }
-  }
-  return best;
-}
-
-// The entry of `names` equal to `name` ignoring case, or "".
-std::string find_name(const std::string& name, const Keys& names) {
-  for (const auto& candidate : names) {
-    if (lower(candidate) == lower(name)) {
-      return candidate;
-    }
-  }
-  return "";
-}
-
-std::string quoted_list(const Keys& names) {
-  std::string text;
-  for (size_t i = 0; i < names.size(); ++i) {
-    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + ("\"" + names[i] + "\"");
-  }
-  return text;
-}
-
-std::string child_path(const std::string& path, const std::string& key) {
-  return path.empty() ? key : path + "." + key;
-}
-
-// Sizes are often written as floats (5e8): any integral number is an integer.
-std::optional<int64_t> as_integer(const json& value) {
-  if (value.is_number_unsigned()) {
-    const auto v = value.get<uint64_t>();
-    if (v > static_cast<uint64_t>(kNoMax)) {
-      return std::nullopt;
-    }
-    return static_cast<int64_t>(v);
-  }
-  if (value.is_number_integer()) {
-    return value.get<int64_t>();
-  }
-  if (value.is_number_float()) {
-    const double v = value.get<double>();
-    const double limit = std::ldexp(1.0, 63);
-    if (std::isfinite(v) && std::floor(v) == v && v >= -limit && v < limit) {
-      return static_cast<int64_t>(v);
-    }
-  }
-  return std::nullopt;
-}
-
-std::string integer_range(int64_t min, int64_t max) {
-  if (max == kNoMax) {
-    return min == std::numeric_limits<int64_t>::min() ? "an integer"
-                                                      : "an integer >= " + std::to_string(min);
-  }
-  return "an integer " + std::to_string(min) + ".." + std::to_string(max);
-}
-
-std::string number_range(double min, double max) {
-  if (max == kInf) {
-    return min == -kInf ? "a number" : c10::str("a number >= ", min);
-  }
-  return c10::str("a number in [", min, ", ", max, "]");
-}
-
-// One JSON object of the config, with its dotted path for messages. Construction rejects
-// unknown keys; the readers reject values of the wrong type or range. A JSON null reads as an
-// absent key (DeepSpeed's Optional fields).
-class Section {
- public:
-  Section(const json* value, std::string path, const Keys& known)
-      : value_(value), path_(std::move(path)) {
-    if (value_ == nullptr) {
-      return;
-    }
-    TORCH_CHECK_VALUE(value_->is_object(), path_, " must be an object, got ", *value_);
-    for (const auto& item : value_->items()) {
-      if (std::find(known.begin(), known.end(), item.key()) == known.end()) {
-        TORCH_CHECK_VALUE(false, "unknown key \"", item.key(), "\" in ",
-                          path_.empty() ? "the config" : path_, "; did you mean \"",
-                          closest(item.key(), known), "\"?");
-      }
-    }
-  }
-
-  std::string path(const std::string& key) const { return child_path(path_, key); }
-
-  const json* find(const std::string& key) const {
-    if (value_ == nullptr) {
-      return nullptr;
-    }
-    const auto it = value_->find(key);
-    if (it == value_->end() || it->is_null()) {
-      return nullptr;
-    }
-    // The Hugging Face Trainer writes "auto" for values it derives from its own arguments and
-    // fills them in before DeepSpeed reads the config; one left here was never filled in.
-    TORCH_CHECK_VALUE(!(it->is_string() && it->get<std::string>() == "auto"), path(key),
-                      " is \"auto\": \"auto\" values are placeholders that the Hugging Face "
-                      "integration fills in; the caller must replace it with a value");
-    return &*it;
-  }
-
-  bool has(const std::string& key) const { return find(key) != nullptr; }
-
-  bool boolean(const std::string& key, bool fallback) const {
-    const json* v = find(key);
-    if (v == nullptr) {
-      return fallback;
-    }
-    TORCH_CHECK_VALUE(v->is_boolean(), path(key), " must be true or false, got ", *v);
-    return v->get<bool>();
-  }
-
-  std::optional<int64_t> optional_integer(const std::string& key, int64_t min,
-                                          int64_t max = kNoMax) const {
-    const json* v = find(key);
-    if (v == nullptr) {
-      return std::nullopt;
-    }
-    const auto n = as_integer(*v);
-    TORCH_CHECK_VALUE(n && *n >= min && *n <= max, path(key), " must be ", integer_range(min, max),
-                      ", got ", *v);
-    return n;
-  }
-
-  int64_t integer(const std::string& key, int64_t fallback, int64_t min,
-                  int64_t max = kNoMax) const {
-    return optional_integer(key, min, max).value_or(fallback);
-  }
-
-  std::optional<double> optional_number(const std::string& key, double min = -kInf,
-                                        double max = kInf) const {
-    const json* v = find(key);
-    if (v == nullptr) {
-      return std::nullopt;
-    }
-    const bool ok = v->is_number() && std::isfinite(v->get<double>()) && v->get<double>() >= min &&
-                    v->get<double>() <= max;
-    TORCH_CHECK_VALUE(ok, path(key), " must be ", number_range(min, max), ", got ", *v);
-    return v->get<double>();
-  }
-
-  double number(const std::string& key, double fallback, double min = -kInf,
-                double max = kInf) const {
-    return optional_number(key, min, max).value_or(fallback);
-  }
-
-  std::string string(const std::string& key, const std::string& fallback) const {
-    const json* v = find(key);
-    if (v == nullptr) {
-      return fallback;
-    }
-    TORCH_CHECK_VALUE(v->is_string(), path(key), " must be a string, got ", *v);
-    return v->get<std::string>();
-  }
-
-  // One of `choices`, ignoring case; returns the choice's own spelling.
-  std::string choice(const std::string& key, const std::string& fallback,
-                     const Keys& choices) const {
-    const std::string value = string(key, fallback);
-    const std::string match = find_name(value, choices);
-    TORCH_CHECK_VALUE(!match.empty(), path(key), " must be ", quoted_list(choices), ", got \"",
-                      value, "\"; did you mean \"", closest(value, choices), "\"?");
-    return match;
-  }
-
-  Section section(const std::string& key, const Keys& known) const {
-    return Section(find(key), path(key), known);
-  }
-
- private:
-  const json* value_;  // an object, or null when the section is absent
-  std::string path_;   // "" at the top level
-};
-
-// Records a setting zeroshard does not implement (see [Note: Unsupported settings]).
-void flag(DeepSpeedConfig& out, const std::string& path, const json& value,
-          const std::string& why) {
-  out.unsupported.push_back(
-      c10::str(path, " = ", value, " is not supported yet by zeroshard (", why, ")"));
-}
 
 // ---------------------------------------------------------------------------
 // Sections.
@@ -662,63 +424,6 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
   }
 }
 
-void read_scheduler(const Section& top, DeepSpeedConfig& out) {
-  if (!top.has("scheduler")) {
-    return;
-  }
-  const Section scheduler = top.section("scheduler", kSchedulerKeys);
-  TORCH_CHECK_VALUE(scheduler.has("type"), "scheduler.type is missing; expected ",
-                    quoted_list(kSupportedSchedulers));
-  const std::string written = scheduler.string("type", "");
-  const std::string type = find_name(written, kSupportedSchedulers);
-  if (type.empty()) {
-    TORCH_CHECK_VALUE(find_name(written, kOtherSchedulers).empty(), "scheduler.type = \"", written,
-                      "\" is not supported yet by zeroshard; it runs ",
-                      quoted_list(kSupportedSchedulers));
-    Keys all = kSupportedSchedulers;
-    all.insert(all.end(), kOtherSchedulers.begin(), kOtherSchedulers.end());
-    TORCH_CHECK_VALUE(false, "scheduler.type = \"", written,
-                      "\" is not a scheduler DeepSpeed knows; did you mean \"",
-                      closest(written, all), "\"?");
-  }
-
-  LrScheduleConfig& s = out.scheduler;
-  s.type = type == "WarmupLR"        ? LrScheduleType::kWarmupLR
-           : type == "WarmupDecayLR" ? LrScheduleType::kWarmupDecayLR
-                                     : LrScheduleType::kWarmupCosineLR;
-  const Keys& known = s.type == LrScheduleType::kWarmupLR        ? kWarmupLrParams
-                      : s.type == LrScheduleType::kWarmupDecayLR ? kWarmupDecayLrParams
-                                                                 : kWarmupCosineLrParams;
-  const Section params = scheduler.section("params", known);
-  if (const json* written_params = scheduler.find("params")) {
-    out.scheduler_params = *written_params;
-  }
-  const auto last =
-      params.optional_integer("last_batch_iteration", std::numeric_limits<int64_t>::min());
-  TORCH_CHECK_VALUE(!last || *last == -1, params.path("last_batch_iteration"),
-                    " must be -1 (a fresh start), got ", *last,
-                    "; a resumed run restores the iteration from its checkpoint");
-  s.warmup_type = params.choice("warmup_type", "log", {"log", "linear"}) == "log"
-                      ? WarmupType::kLog
-                      : WarmupType::kLinear;
-  s.warmup_num_steps = params.integer("warmup_num_steps", 1000, 1);
-  if (s.type != LrScheduleType::kWarmupLR) {
-    TORCH_CHECK_VALUE(params.has("total_num_steps"), params.path("total_num_steps"),
-                      " is required by ", type);
-    s.total_num_steps = params.integer("total_num_steps", 0, 1);
-  }
-  if (s.type == LrScheduleType::kWarmupCosineLR) {
-    s.warmup_min_ratio = params.number("warmup_min_ratio", 0, 0);
-    s.cos_min_ratio = params.number("cos_min_ratio", 0.0001, 0);
-    return;
-  }
-  s.warmup_min_lr = params.number("warmup_min_lr", 0, 0);
-  s.warmup_max_lr = params.optional_number("warmup_max_lr", 0);
-  if (s.type == LrScheduleType::kWarmupDecayLR && !s.warmup_max_lr) {
-    s.warmup_max_lr = 0.001;
-  }
-}
-
 void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
   for (const auto& key : kFeatureTopLevelKeys) {
     const json* value = top.find(key);
@@ -763,20 +468,6 @@ void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
 }
 
 }  // namespace
-
-const char* lr_schedule_name(LrScheduleType type) {
-  switch (type) {
-    case LrScheduleType::kNone:
-      return "none";
-    case LrScheduleType::kWarmupLR:
-      return "WarmupLR";
-    case LrScheduleType::kWarmupDecayLR:
-      return "WarmupDecayLR";
-    case LrScheduleType::kWarmupCosineLR:
-      return "WarmupCosineLR";
-  }
-  return "unknown";
-}
 
 DeepSpeedConfig parse_deepspeed_config(const nlohmann::json& config, int64_t world_size) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
@@ -859,57 +550,6 @@ void check_supported(const DeepSpeedConfig& config) {
                     "the DeepSpeed config asks for settings zeroshard does not support yet:", list,
                     "\nRemove them, or add \"zeroshard\": {\"ignore_unsupported\": true} to the "
                     "config to train as if they were absent.");
-}
-
-// Transcribed from WarmupLR, WarmupDecayLR and WarmupCosineLR in DeepSpeed's
-// deepspeed/runtime/lr_schedules.py (0.19), operation for operation so that the values match
-// to the last bit where the arithmetic allows.
-double scheduled_lr(const DeepSpeedConfig& config, int64_t step, double base_lr) {
-  const LrScheduleConfig& s = config.scheduler;
-  if (s.type == LrScheduleType::kNone) {
-    return base_lr;
-  }
-  const int64_t warmup = std::max<int64_t>(2, s.warmup_num_steps);
-  const double inverse_log_warmup = 1.0 / std::log(static_cast<double>(warmup));
-  // The warm-up fraction: 0 at step 0, approaching 1 at step `warmup`.
-  auto warmup_gamma = [&] {
-    return s.warmup_type == WarmupType::kLog
-               ? inverse_log_warmup * std::log(static_cast<double>(step + 1))
-               : static_cast<double>(step) / static_cast<double>(warmup);
-  };
-
-  if (s.type == LrScheduleType::kWarmupCosineLR) {
-    if (step < 0) {
-      return 0.0;  // DeepSpeed's value before the first step()
-    }
-    double ratio = 0;
-    if (step < warmup) {
-      ratio = s.warmup_min_ratio + warmup_gamma() * (1.0 - s.warmup_min_ratio);
-    } else {
-      const double real_last_step = static_cast<double>(step - warmup + 1);
-      const double real_total_steps =
-          static_cast<double>(std::max<int64_t>(1, s.total_num_steps - warmup));
-      // Clamped (DeepSpeed 0.19): past total_num_steps the ratio stays at cos_min_ratio.
-      const double progress = std::min(1.0, real_last_step / real_total_steps);
-      ratio = (1 + std::cos(kPi * progress)) / 2;
-      ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ratio);
-    }
-    return base_lr * ratio;
-  }
-
-  const double min_lr = s.warmup_min_lr;
-  const double delta_lr = s.warmup_max_lr.value_or(base_lr) - min_lr;
-  if (step < 0) {
-    return min_lr;
-  }
-  double gamma = 1.0;
-  if (step < warmup) {
-    gamma = warmup_gamma();
-  } else if (s.type == LrScheduleType::kWarmupDecayLR) {
-    gamma = std::max(0.0, static_cast<double>(s.total_num_steps - step) /
-                              std::max(1.0, static_cast<double>(s.total_num_steps - warmup)));
-  }
-  return min_lr + delta_lr * gamma;
 }
 
 std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
