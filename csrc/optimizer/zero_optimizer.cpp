@@ -119,7 +119,15 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
         *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),
         [this](size_t g, size_t b) {
           const Bucket& bucket = layout_->group(g).buckets()[b];
-          return shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+          at::Tensor shard =
+              shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+          if (placement_->parameter_tier() == StateTier::kDevice) {
+            return shard;
+          }
+          // offload_param: the shard goes to the device first, when the gather
+          // (or its prefetch) is issued; the collective holds the copy.
+          return shard.to(device_, placement_->asynchronous_copies(StateTier::kHost, true),
+                          /*copy=*/true);
         },
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
   }
