@@ -41,10 +41,6 @@ at::Tensor ZeroOptimizer::master_shard(size_t g) const {
     return offloaded_->read(g, OptimizerStateName::kMaster, 0, layout_->group(g).shard_numel(),
                             fp32_options());
   }
-  if (shard.param_shard.defined() && shard.param_shard.scalar_type() != at::kFloat &&
-      !shard.master.defined()) {  // stage 3, 16-bit, before the offloaded master exists
-    return shard.param_shard.to(fp32_options());
-  }
   if (shard.master.defined()) {
     return shard.master.detach().clone();
   }
@@ -62,18 +58,31 @@ at::Tensor ZeroOptimizer::master_shard(size_t g) const {
 }
 
 void ZeroOptimizer::set_master_shard(size_t g, const at::Tensor& values) {
-  if (offloaded_) {
-    offloaded_->write(g, OptimizerStateName::kMaster, 0, values);
-    return;
-  }
-  for (const auto& bucket : layout_->group(g).buckets()) {
-    master_slice(g, bucket).copy_(values.narrow(0, bucket.shard_offset, bucket.shard_numel));
-  }
+  write_master(g, 0, values);
 }
 
 at::Tensor ZeroOptimizer::read_master(size_t g, int64_t offset, int64_t length) const {
   if (offloaded_) {
     return offloaded_->read(g, OptimizerStateName::kMaster, offset, length, fp32_options());
+  }
+  const GroupShards& shard = shards_[g];
+  if (shard.master.defined()) {
+    return shard.master.narrow(0, offset, length).clone();
+  }
+  if (shard.param_shard.defined()) {  // stage 3, fp32: the shard is the master
+    return shard.param_shard.narrow(0, offset, length).clone();
+  }
+  // Stages 1-2, fp32: this rank's slice of flat_param, when the range lies in
+  // one bucket (what full_parameters asks); a whole-shard copy otherwise.
+  const GroupLayout& layout = layout_->group(g);
+  for (const auto& bucket : layout.buckets()) {
+    if (offset >= bucket.shard_offset &&
+        offset + length <= bucket.shard_offset + bucket.shard_numel) {
+      return shard.flat_param
+          .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()) + offset - bucket.shard_offset,
+                  length)
+          .clone();
+    }
   }
   return master_shard(g).narrow(0, offset, length);
 }
