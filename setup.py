@@ -51,6 +51,7 @@ def core_sources() -> list[str]:
         "csrc/estimator/*.cpp",
         "csrc/optimizer/*.cpp",
         "csrc/offload/*.cpp",
+        "csrc/checkpoint/*.cpp",
         "csrc/bindings/*.cpp",
     ]
     sources: list[str] = []

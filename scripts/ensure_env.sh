@@ -29,7 +29,7 @@ if [ -z "$have_torch" ]; then
 elif [ "$have_torch" != "$TORCH_VERSION" ]; then
   echo "[zeroshard] using the installed torch ${have_torch} (pinned: ${TORCH_VERSION})"
 fi
-for module in pytest numpy ninja matplotlib; do
+for module in pytest numpy ninja matplotlib safetensors transformers; do
   "$PYTHON" -c "import ${module}" 2>/dev/null || "$PYTHON" -m pip install -q "${module}"
 done
 

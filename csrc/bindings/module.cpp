@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 // After torch's pybind11 setup above.
+#include "checkpoint_bindings.h"
 #include "no_gil_delete.h"
 
 namespace py = pybind11;
@@ -337,6 +338,8 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_module_hooks(m);
   zeroshard::bind_engine(m);
   zeroshard::bind_host_kernel(m);
+  zeroshard::bind_checkpoint_io(m);
+  zeroshard::bind_optimizer_checkpoint(optimizer_class);
   optimizer_class
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),

@@ -3,6 +3,9 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+// After torch's pybind11 setup above.
+#include "checkpoint_bindings.h"
+
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -109,7 +112,9 @@ void bind_engine(py::module_& m) {
   m.def("scheduled_lr", &scheduled_lr, py::arg("config"), py::arg("step"), py::arg("base_lr"),
         "The learning rate DeepSpeed's scheduler sets at last_batch_iteration `step`.");
 
-  py::class_<Engine>(m, "Engine")
+  py::class_<Engine> engine_class(m, "Engine");
+  bind_engine_checkpoint(engine_class);
+  engine_class
       .def(py::init<ZeroOptimizer&, DeepSpeedConfig>(), py::arg("optimizer"), py::arg("config"),
            py::keep_alive<1, 2>())
       .def("begin_forward", &Engine::begin_forward)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m zeroshard estimate ...``."""
+"""Command line: ``python -m zeroshard estimate ...`` and ``... consolidate ...``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ def _estimate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate_command(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import consolidate
+
+    files = consolidate(
+        args.checkpoint,
+        args.output_dir,
+        tag=args.tag,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+    )
+    for path in files:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroshard")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,9 +82,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     est.add_argument("--device-memory", default="", help="e.g. 80GB: also recommend a config")
     est.add_argument("--plot", default="", help="write a PNG of memory against ranks")
+    con = commands.add_parser(
+        "consolidate",
+        help="write a checkpoint's weights as Hugging Face safetensors (streaming)",
+    )
+    con.add_argument("checkpoint", help="a checkpoint directory, or a save_dir with `latest`")
+    con.add_argument("output_dir")
+    con.add_argument("--tag", default=None, help="the tag under CHECKPOINT (default: latest)")
+    con.add_argument(
+        "--dtype",
+        default=None,
+        choices=["fp32", "bf16", "fp16"],
+        help="output dtype (default: each parameter's training dtype)",
+    )
+    con.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate_command(args)
+    if args.command == "consolidate":
+        return _consolidate_command(args)
     return 2
 
 

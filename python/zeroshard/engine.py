@@ -8,8 +8,10 @@ C++ ``zeroshard::Engine``. This module only wires them to a Python model.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -106,9 +108,129 @@ class Engine:
         """Learning rate of each parameter group."""
         return list(self._impl.get_lr())
 
+    # Checkpoints ---------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Collective: saves ``save_dir/<tag>`` (default ``global_step<N>``) and ``latest``.
+
+        As DeepSpeed's ``save_checkpoint``, but loadable at any world size or
+        stage, atomic (a crash leaves the previous checkpoint and ``latest``
+        intact) and checksummed. Saves the optimizer state, the engine's
+        counters, loss scaler and schedule position, the module's persistent
+        buffers, every rank's RNG states and ``client_state`` (pickled).
+        Returns the checkpoint's path.
+        """
+        replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
+        if client_state is not None:
+            replicated_files["client_state.pt"] = _to_bytes(client_state)
+        rank = dist.get_rank(self.optimizer._process_group)
+        rank_files = {f"rng_state_{rank}.pt": _to_bytes(_python_rng_state())}
+        return str(
+            self._impl.save_checkpoint(
+                os.fspath(save_dir), tag or "", replicated_files, rank_files, save_latest
+            )
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Collective: loads ``load_dir/<tag>`` (default: what ``latest`` names).
+
+        Works at any world size, stage, bucket size or offload setting.
+        Returns ``(path, client_state)`` as DeepSpeed does. Raises
+        ``ValueError`` on every rank, before anything changes, for another
+        model (naming the first mismatched names and shapes), a corrupt file
+        (naming the file and parameter) or a missing one.
+        """
+        loaded = self._impl.load_checkpoint(
+            os.fspath(load_dir),
+            tag or "",
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+        self.optimizer._sync_hyperparameters()
+        self._sync_lr()
+        files = loaded["replicated_files"]
+        if "buffers.pt" in files:
+            _load_buffers(self.module, _from_bytes(files["buffers.pt"]))
+        rank = dist.get_rank(self.optimizer._process_group)
+        rng = loaded["rank_files"].get(f"rng_state_{rank}.pt")
+        if rng is not None and not load_module_only:
+            _set_python_rng_state(_from_bytes(rng))
+        client_state = _from_bytes(files["client_state.pt"]) if "client_state.pt" in files else None
+        return str(loaded["path"]), client_state
+
     def last_telemetry(self) -> dict[str, Any] | None:
         """The last telemetry record printed (every ``steps_per_print`` steps)."""
         return self._impl.last_telemetry()
+
+
+def _to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    # Written by this rank's own job (client_state may hold any picklable object).
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict()`` holds (data-parallel ranks hold equal copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
+    return out
+
+
+def _load_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    current = _persistent_buffers(module)
+    missing = sorted(set(current) - set(saved))
+    if missing:
+        raise ValueError(f"the checkpoint has no value for buffer(s) {missing[:5]}")
+    lookup = dict(module.named_buffers())
+    with torch.no_grad():
+        for name in current:
+            lookup[name].copy_(saved[name])
+
+
+def _python_rng_state() -> dict[str, Any]:
+    # torch's CPU generator is saved by the C++ engine; these are the others.
+    state: dict[str, Any] = {"python": random.getstate()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_python_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class _ConfiguredScheduler:

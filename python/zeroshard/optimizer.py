@@ -8,6 +8,8 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -253,6 +255,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._impl.set_failure_store(
                 store, _failure_prefix(process_group), float(failure_report_seconds)
             )
+        if module is not None:
+            # Checkpoints store states by these names (tied weights: every name).
+            self._impl.set_parameter_names(list(module.named_parameters(remove_duplicate=False)))
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         if stage == 3:
             assert module is not None
@@ -352,6 +357,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
+
+    # Checkpoints that load at any world size and stage --------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Collective: writes this optimizer's state as the checkpoint directory ``path``.
+
+        Every rank writes the ranges of the fp32 master weights and moments it
+        owns, keyed by parameter name (``module=``'s names, else
+        ``"group{g}.{i}"``), into ``path.tmp/``; once all writes succeeded the
+        directory is renamed to ``path`` atomically. Loads at any world size,
+        stage, bucket size, grouping or offload setting (``load_checkpoint``).
+        """
+        self._impl.save_checkpoint(os.fspath(path))
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], load_optimizer_states: bool = True
+    ) -> None:
+        """Collective: loads a checkpoint written by ``save_checkpoint`` (or an engine).
+
+        Parameters are matched by name; each rank reads only the ranges it now
+        owns and verifies their checksums. A mismatched model, a corrupt or a
+        missing file raises ``ValueError`` on every rank before anything
+        changes. With ``load_optimizer_states=False`` only the weights load.
+        """
+        self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
+        self._sync_hyperparameters()
+
+    def _sync_hyperparameters(self) -> None:
+        # The C++ core restored the saved hyper-parameters; mirror them here,
+        # since these dicts are what step() hands back to it.
+        for group, values in zip(
+            self.param_groups, json.loads(self._impl.group_hyperparameters()), strict=True
+        ):
+            for key, value in values.items():
+                group[key] = tuple(value) if key == "betas" else value
 
     # Gathering on demand ---------------------------------------------------------
 

@@ -13,6 +13,7 @@ import io
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,9 +57,17 @@ def _worker(
 
 
 def run_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180.0,
+    allow_killed: bool = False,
 ) -> list[Any]:
-    """Calls ``fn(rank, world_size, *args)`` on every rank; returns results by rank."""
+    """Calls ``fn(rank, world_size, *args)`` on every rank; returns results by rank.
+
+    With ``allow_killed``, a rank process that dies without reporting (SIGKILL)
+    gives ``"killed"`` instead of failing the run as a hang.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,9 +79,19 @@ def run_ranks(
         for p in procs:
             p.start()
         collected: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
         try:
             while len(collected) < world_size:
-                rank, payload = results.get(timeout=timeout)
+                if time.monotonic() > deadline:
+                    raise queue.Empty
+                try:
+                    rank, payload = results.get(timeout=1.0)
+                except queue.Empty:
+                    if allow_killed:
+                        for r, p in enumerate(procs):
+                            if r not in collected and p.exitcode is not None and p.exitcode < 0:
+                                collected[r] = "killed"
+                    continue
                 collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         except queue.Empty:
             raise AssertionError(

@@ -32,6 +32,16 @@
 
 namespace zeroshard {
 
+// What Engine::load_checkpoint restores, as DeepSpeed's load_checkpoint.
+struct EngineLoadOptions {
+  // Optimizer moments, step counts, hyper-parameters and the loss scaler.
+  TORCH_ARG(bool, load_optimizer_states) = true;
+  // The position in the learning-rate schedule.
+  TORCH_ARG(bool, load_lr_scheduler_states) = true;
+  // The weights only: no optimizer state, schedule or engine counters.
+  TORCH_ARG(bool, load_module_only) = false;
+};
+
 // One telemetry line: means over the steps since the previous line.
 struct TelemetryRecord {
   int64_t step = 0;  // global steps so far
@@ -94,6 +104,22 @@ class Engine {
   // Learning rate of each parameter group now.
   std::vector<double> get_lr() const;
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
+
+  // Collective. Saves a checkpoint to <save_dir>/<tag> (default tag
+  // "global_step<N>") with the engine's state (counters, loss scaler, schedule
+  // position, each rank's CPU RNG state) and `client_state`, then points
+  // <save_dir>/latest at it (as DeepSpeed does, but atomically). `extra` adds
+  // files and replicated entries. Returns the checkpoint's path.
+  std::string save_checkpoint(const std::string& save_dir, std::string tag = "",
+                              const nlohmann::json& client_state = nlohmann::json::object(),
+                              CheckpointSaveOptions extra = {}, bool save_latest = true);
+  // Collective. Loads <load_dir>/<tag> (default: the tag `latest` names),
+  // saved at any world size or stage. Returns the path and the client_state;
+  // `loaded`, when given, receives the rest (extra files, index).
+  std::pair<std::string, nlohmann::json> load_checkpoint(const std::string& load_dir,
+                                                         std::string tag = "",
+                                                         const EngineLoadOptions& options = {},
+                                                         LoadedCheckpoint* loaded = nullptr);
 
   ZeroOptimizer& optimizer() { return optimizer_; }
   const DeepSpeedConfig& config() const { return config_; }

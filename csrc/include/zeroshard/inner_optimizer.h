@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <string>
@@ -54,5 +55,17 @@ void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOp
 // host_optimizer_kernel.h.
 HostAdamArgs host_adam_args(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
 HostSgdArgs host_sgd_args(const torch::optim::OptimizerOptions& options);
+
+// The hyper-parameters of `options` as JSON, with torch.optim's names (lr,
+// betas, eps, weight_decay, amsgrad; lr, momentum, dampening, weight_decay,
+// nesterov), and back: what checkpoints store per parameter group.
+nlohmann::json inner_options_to_json(InnerOptimizerKind kind,
+                                     const torch::optim::OptimizerOptions& options);
+void apply_inner_options_json(InnerOptimizerKind kind, torch::optim::OptimizerOptions& options,
+                              const nlohmann::json& values);
+// Whether this kind with these options keeps `state_index` (1 exp_avg,
+// 2 exp_avg_sq, 3 max_exp_avg_sq, 4 momentum_buffer; OptimizerStateName order).
+bool inner_optimizer_uses_state(InnerOptimizerKind kind,
+                                const torch::optim::OptimizerOptions& options, int state_index);
 
 }  // namespace zeroshard

@@ -19,6 +19,7 @@
 // Thread-safety: like any torch::optim::Optimizer, drive it from one thread.
 #pragma once
 
+#include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
@@ -132,6 +133,27 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // back into the model's parameters on every rank.
   void load_shard_state(const ShardState& state);
 
+  // ---- Checkpoints that load at any world size and stage (checkpoint.h) ----
+  // Names the parameters in checkpoints: (name, parameter) pairs such as a
+  // module's named_parameters(). A parameter listed under several names (tied
+  // weights) is stored under the first and found under any. Unnamed ones are
+  // "group<g>.<i>". Every rank must give the same names.
+  void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  std::string parameter_name(size_t group, size_t index) const;
+  std::vector<std::string> parameter_aliases(size_t group, size_t index) const;
+  // Collective: writes this optimizer's state (fp32 master, moments, step
+  // counts, hyper-parameters) as the checkpoint directory `path`, atomically.
+  // Errors (disk full, permissions) are raised on every rank, naming the rank.
+  void save_checkpoint(const std::string& path, const CheckpointSaveOptions& options = {});
+  // Collective: loads a checkpoint saved at any world size, stage, bucket size,
+  // grouping or offload setting; parameters are matched by name. Each rank
+  // reads only the ranges it owns, checksums verified. Any error (another
+  // model, a corrupt or missing file) is raised on every rank before anything
+  // changes. Writes the loaded weights into the model's parameters.
+  LoadedCheckpoint load_checkpoint(const std::string& path,
+                                   const CheckpointLoadOptions& options = {});
+
+  // The per-rank format of shard_state(), for the same world size only.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
@@ -237,6 +259,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // load), before they are gathered.
   void refresh_parameters_from_master();
   at::TensorOptions fp32_options() const;
+  // Checkpoints: whether group `g` holds `name` now, and a range of it (fp32).
+  bool has_state(size_t g, OptimizerStateName name) const;
+  at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
   // inf/NaN (the same collective).
@@ -280,6 +305,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
   // Parameter (by TensorImpl) -> (group, index): units and pins name tensors.
   std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
+  // Per group and parameter: its names (see set_parameter_names); may be empty.
+  std::vector<std::vector<std::vector<std::string>>> param_names_;
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   // Hooks (backward thread) vs. the training thread; recursive because a
