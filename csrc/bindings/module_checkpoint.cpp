@@ -57,14 +57,19 @@ void bind_optimizer_checkpoint(py::class_<ZeroOptimizer, NoGilHolder<ZeroOptimiz
       .def(
           "save_checkpoint",
           [](ZeroOptimizer& self, const std::string& path, const std::string& replicated_json,
-             const py::dict& replicated_files, const py::dict& rank_files) {
+             const py::dict& replicated_files, const py::dict& rank_files, bool async_save) {
             CheckpointSaveOptions options =
                 save_options(replicated_json, replicated_files, rank_files);
+            options.async_save(async_save);
             py::gil_scoped_release release;
             self.save_checkpoint(path, options);
           },
           py::arg("path"), py::arg("replicated_json") = "",
-          py::arg("replicated_files") = py::dict(), py::arg("rank_files") = py::dict())
+          py::arg("replicated_files") = py::dict(), py::arg("rank_files") = py::dict(),
+          py::arg("async_save") = false)
+      .def("wait_for_checkpoint", &ZeroOptimizer::wait_for_checkpoint,
+           py::call_guard<py::gil_scoped_release>())
+      .def("checkpoint_in_flight", &ZeroOptimizer::checkpoint_in_flight)
       .def(
           "load_checkpoint",
           [](ZeroOptimizer& self, const std::string& path, bool load_optimizer_states) {
@@ -90,14 +95,17 @@ void bind_engine_checkpoint(py::class_<Engine>& cls) {
   cls.def(
          "save_checkpoint",
          [](Engine& self, const std::string& save_dir, const std::string& tag,
-            const py::dict& replicated_files, const py::dict& rank_files, bool save_latest) {
+            const py::dict& replicated_files, const py::dict& rank_files, bool save_latest,
+            bool async_save) {
            CheckpointSaveOptions options = save_options("", replicated_files, rank_files);
+           options.async_save(async_save);
            py::gil_scoped_release release;
            return self.save_checkpoint(save_dir, tag, nlohmann::json::object(), options,
                                        save_latest);
          },
          py::arg("save_dir"), py::arg("tag") = "", py::arg("replicated_files") = py::dict(),
-         py::arg("rank_files") = py::dict(), py::arg("save_latest") = true)
+         py::arg("rank_files") = py::dict(), py::arg("save_latest") = true,
+         py::arg("async_save") = false)
       .def(
           "load_checkpoint",
           [](Engine& self, const std::string& load_dir, const std::string& tag,

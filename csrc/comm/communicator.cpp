@@ -124,6 +124,8 @@ Communicator::~Communicator() {
 void Communicator::set_failure_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix,
                                      std::chrono::milliseconds report_window) {
   health_.reset();
+  store_ = store;
+  store_prefix_ = prefix;
   if (store && world_size_ > 1) {
     health_ = std::make_unique<RankHealth>(std::move(store), std::move(prefix), rank_, world_size_,
                                            report_window);

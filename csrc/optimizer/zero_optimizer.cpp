@@ -30,7 +30,8 @@ ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
-  alive_.reset();  // output hooks still registered on live tensors see it expire
+  finish_checkpoint_quietly();  // exit waits for an asynchronous save
+  alive_.reset();               // output hooks still registered on live tensors see it expire
   hooks_.reset();
   if (buckets_) {
     try {

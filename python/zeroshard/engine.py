@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import _C
-from zeroshard.optimizer import ZeroOptimizer
+from zeroshard.optimizer import _IN_FLIGHT, ZeroOptimizer
 
 
 def _load_config(config: str | os.PathLike | dict[str, Any], world_size: int) -> Any:
@@ -116,6 +116,7 @@ class Engine:
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        async_save: bool = False,
     ) -> str:
         """Collective: saves ``save_dir/<tag>`` (default ``global_step<N>``) and ``latest``.
 
@@ -124,6 +125,9 @@ class Engine:
         intact) and checksummed. Saves the optimizer state, the engine's
         counters, loss scaler and schedule position, the module's persistent
         buffers, every rank's RNG states and ``client_state`` (pickled).
+        With ``async_save`` the state is copied to host memory during the call
+        and a C++ thread writes and commits it while training goes on (the next
+        save or load, ``wait_for_checkpoint()`` or exit waits for it).
         Returns the checkpoint's path.
         """
         replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
@@ -131,11 +135,23 @@ class Engine:
             replicated_files["client_state.pt"] = _to_bytes(client_state)
         rank = dist.get_rank(self.optimizer._process_group)
         rank_files = {f"rng_state_{rank}.pt": _to_bytes(_python_rng_state())}
-        return str(
+        path = str(
             self._impl.save_checkpoint(
-                os.fspath(save_dir), tag or "", replicated_files, rank_files, save_latest
+                os.fspath(save_dir),
+                tag or "",
+                replicated_files,
+                rank_files,
+                save_latest,
+                async_save,
             )
         )
+        if async_save:
+            _IN_FLIGHT.add(self.optimizer)
+        return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits for an asynchronous save; raises (on every rank) if it failed."""
+        self.optimizer.wait_for_checkpoint()
 
     def load_checkpoint(
         self,

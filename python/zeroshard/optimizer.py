@@ -7,9 +7,11 @@ hyper-parameters to the C++ core at every step.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +37,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 _STATE_KEY = "zeroshard_shard"
+
+# Optimizers with an asynchronous save in flight: interpreter exit waits for
+# them (the C++ destructor would too, but exit may not run it).
+_IN_FLIGHT: weakref.WeakSet[ZeroOptimizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_checkpoints() -> None:
+    for optimizer in list(_IN_FLIGHT):
+        optimizer._impl.wait_for_checkpoint()
 
 
 def _canonical_optimizer(name: str) -> str:
@@ -360,7 +372,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # Checkpoints that load at any world size and stage --------------------------
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def save_checkpoint(self, path: str | os.PathLike[str], async_save: bool = False) -> None:
         """Collective: writes this optimizer's state as the checkpoint directory ``path``.
 
         Every rank writes the ranges of the fp32 master weights and moments it
@@ -368,8 +380,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``"group{g}.{i}"``), into ``path.tmp/``; once all writes succeeded the
         directory is renamed to ``path`` atomically. Loads at any world size,
         stage, bucket size, grouping or offload setting (``load_checkpoint``).
+        With ``async_save`` the state is copied to host memory during the call
+        and written by a C++ thread while training goes on; the next save or
+        load, ``wait_for_checkpoint()`` or exit waits for it.
         """
-        self._impl.save_checkpoint(os.fspath(path))
+        self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
+        if async_save:
+            _IN_FLIGHT.add(self)
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits for an asynchronous save; raises (on every rank) if it failed."""
+        _IN_FLIGHT.discard(self)
+        self._impl.wait_for_checkpoint()
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], load_optimizer_states: bool = True

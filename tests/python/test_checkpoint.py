@@ -523,3 +523,71 @@ def test_torchrun_restart_resumes_from_latest_and_finishes_like_an_uninterrupted
     a = torch.load(uninterrupted, weights_only=True)
     b = torch.load(restarted, weights_only=True)
     assert max_abs_diff(a, b) == 0.0
+
+
+# ---- Asynchronous save ----------------------------------------------------------------
+
+
+def _async_job(rank: int, world_size: int, save_dir: str, mode: str) -> str | None:
+    model, optimizer = _make({"stage": 2})
+    for step in range(5):
+        if step == 3:
+            target = str(Path(save_dir) / mode)
+            # The state after 3 steps; the steps below change it while (async)
+            # the writer thread still runs, so a save that aliased the live
+            # state instead of copying it would store later values.
+            optimizer.save_checkpoint(target, async_save=mode != "sync")
+            if mode == "async_wait":
+                assert optimizer._impl.checkpoint_in_flight()
+        tokens, targets = micro_batch(step, rank, world_size)
+        optimizer.zero_grad()
+        logits = model(tokens, step)
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        optimizer.step()
+    if mode == "async_wait":
+        optimizer.wait_for_checkpoint()
+        return "waited"
+    return None  # "async_exit": the process exits with the save in flight
+
+
+def test_async_save_stores_the_state_of_the_call_while_training_goes_on(tmp_path: Path) -> None:
+    for mode in ("sync", "async_wait", "async_exit"):
+        unwrap(run_ranks(2, _async_job, str(tmp_path), mode))
+    # Exit waited for the save in flight: it is complete and committed.
+    assert (tmp_path / "async_exit" / "index.json").exists()
+    assert not (tmp_path / "async_exit.tmp").exists()
+    _assert_same_states(tmp_path / "sync", tmp_path / "async_wait")
+    _assert_same_states(tmp_path / "sync", tmp_path / "async_exit")
+
+
+# ---- Parameter groups -----------------------------------------------------------------
+
+
+def _grouped_job(rank: int, world_size: int, job: dict[str, Any]) -> None:
+    model = make_gpt(seed=0, width=16, hidden=24)
+    if job["groups"] == 2:
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        params: Any = [{"params": blocks, "lr": 0.02}, {"params": rest}]
+    else:
+        params = model.parameters()
+    optimizer = zeroshard.ZeroOptimizer(params, "adamw", job["stage"], module=model, lr=LR)
+    if job.get("load"):
+        optimizer.load_checkpoint(job["load"])
+        optimizer.save_checkpoint(job["resave"])
+        return
+    for step in range(2):
+        tokens, targets = micro_batch(step, rank, world_size)
+        optimizer.zero_grad()
+        logits = model(tokens, step)
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        optimizer.step()
+    optimizer.save_checkpoint(job["save"])
+
+
+def test_parameters_are_matched_by_name_across_groupings(tmp_path: Path) -> None:
+    saved, resaved = tmp_path / "two_groups", tmp_path / "one_group"
+    unwrap(run_ranks(2, _grouped_job, {"groups": 2, "stage": 2, "save": str(saved)}))
+    job = {"groups": 1, "stage": 1, "load": str(saved), "resave": str(resaved)}
+    unwrap(run_ranks(3, _grouped_job, job))
+    _assert_same_states(saved, resaved)

@@ -41,6 +41,11 @@ struct CheckpointSaveOptions {
   // `latest`) atomically by latest_tag.
   TORCH_ARG(std::string, latest_path);
   TORCH_ARG(std::string, latest_tag);
+  // Copy the state into host memory (pinned on CUDA) during the call and
+  // write and commit it from a background thread while training goes on. The
+  // next save or load, wait_for_checkpoint() or the optimizer's destruction
+  // waits for it. The ranks agree on the commit through the c10d store.
+  TORCH_ARG(bool, async_save) = false;
 };
 
 struct CheckpointLoadOptions {

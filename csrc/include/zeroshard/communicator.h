@@ -175,6 +175,10 @@ class Communicator {
   // with; `prefix` must be equal on every rank and unique per Communicator.
   void set_failure_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix,
                          std::chrono::milliseconds report_window = std::chrono::seconds(3));
+  // The store and key prefix given to set_failure_store (null when none):
+  // asynchronous checkpoints agree through it, off the collective stream.
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  const std::string& store_prefix() const { return store_prefix_; }
   // Throws c10::DistBackendError for a collective that failed with `cause`.
   [[noreturn]] void raise_collective_failure(const std::string& description,
                                              const std::string& cause);
@@ -196,6 +200,8 @@ class Communicator {
   std::unordered_map<int64_t, std::string> checked_;  // signature -> description
   std::vector<c10::intrusive_ptr<c10d::Work>> retired_;
   std::unique_ptr<RankHealth> health_;  // with a failure store only
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string store_prefix_;
   bool all_to_all_reduce_scatter_ = true;
 
   friend class PendingCollective;

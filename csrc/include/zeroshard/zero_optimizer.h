@@ -36,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -152,6 +153,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // changes. Writes the loaded weights into the model's parameters.
   LoadedCheckpoint load_checkpoint(const std::string& path,
                                    const CheckpointLoadOptions& options = {});
+  // Waits for an asynchronous save (CheckpointSaveOptions::async_save) and
+  // throws, on every rank alike, if it failed. Not collective.
+  void wait_for_checkpoint();
+  bool checkpoint_in_flight() const;
 
   // The per-rank format of shard_state(), for the same world size only.
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -261,6 +266,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   at::TensorOptions fp32_options() const;
   // Checkpoints: whether group `g` holds `name` now, and a range of it (fp32).
   bool has_state(size_t g, OptimizerStateName name) const;
+  nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
+  void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
@@ -307,6 +314,13 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
   // Per group and parameter: its names (see set_parameter_names); may be empty.
   std::vector<std::vector<std::vector<std::string>>> param_names_;
+  struct PendingCheckpoint {
+    std::string path;
+    std::thread writer;
+    std::string error;  // set by the writer: "" on success
+  };
+  std::unique_ptr<PendingCheckpoint> pending_checkpoint_;  // an asynchronous save in flight
+  int64_t saves_started_ = 0;                              // names its store keys
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   // Hooks (backward thread) vs. the training thread; recursive because a

@@ -1,0 +1,224 @@
+#include "checkpoint_detail.h"
+
+#include "durable_file.h"
+#include "zeroshard/crc32c.h"
+#include "zeroshard/safetensors.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <unordered_map>
+
+namespace zeroshard::checkpoint_detail {
+
+using json = nlohmann::json;
+
+std::string rank_file_name(int64_t rank) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "rank_%05lld.safetensors", static_cast<long long>(rank));
+  return name;
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  return (std::filesystem::path(dir) / name).string();
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+void maybe_inject_fault(const char* point, int64_t rank) {
+  const char* spec = std::getenv("ZEROSHARD_CHECKPOINT_FAULT");
+  if (spec != nullptr && std::string(spec) == std::to_string(rank) + ":" + point) {
+    std::fflush(stdout);
+    std::raise(SIGKILL);
+  }
+}
+
+json file_record(const std::string& content) {
+  return {{"bytes", content.size()}, {"crc32c", crc32c(content.data(), content.size())}};
+}
+
+json write_rank_file(const std::string& dir, int64_t rank, int64_t world_size,
+                     const std::vector<PieceSpec>& pieces,
+                     const std::function<at::Tensor(size_t)>& piece,
+                     const CheckpointFiles& rank_files) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(pieces.size());
+  for (const PieceSpec& spec : pieces) {
+    entries.push_back({spec.state + "/" + spec.param + "/" + std::to_string(spec.begin),
+                       at::kFloat,
+                       {spec.numel}});
+  }
+  json manifest = {{"file", rank_file_name(rank)}, {"pieces", json::array()}};
+  SafetensorsWriter writer(join(dir, rank_file_name(rank)), std::move(entries),
+                           {{"format", "zeroshard-checkpoint"},
+                            {"rank", std::to_string(rank)},
+                            {"world_size", std::to_string(world_size)}});
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const WrittenPiece written = writer.append(piece(i));
+    manifest["pieces"].push_back({pieces[i].param, pieces[i].state, pieces[i].begin,
+                                  pieces[i].numel, written.offset, written.crc32c});
+  }
+  writer.finish();
+  manifest["bytes"] = writer.bytes_written();
+  manifest["rank_files"] = json::object();
+  for (const auto& [name, content] : rank_files) {
+    write_file_synced(join(dir, name), content);
+    manifest["rank_files"][name] = file_record(content);
+  }
+  return manifest;
+}
+
+void merge_manifests(json& index, const std::vector<std::string>& manifests) {
+  std::unordered_map<std::string, size_t> position;  // name -> index in "params"
+  for (size_t i = 0; i < index["params"].size(); ++i) {
+    position[index["params"][i]["name"].get<std::string>()] = i;
+  }
+  for (size_t r = 0; r < manifests.size(); ++r) {
+    const json theirs = json::parse(manifests[r]);
+    index["files"].push_back({{"name", theirs.at("file")}, {"bytes", theirs.at("bytes")}});
+    index["rank_files"].push_back(theirs.at("rank_files"));
+    for (const auto& piece : theirs.at("pieces")) {
+      json& states = index["params"][position.at(piece[0].get<std::string>())]["states"];
+      states[piece[1].get<std::string>()].push_back({{"file", r},
+                                                     {"begin", piece[2]},
+                                                     {"numel", piece[3]},
+                                                     {"offset", piece[4]},
+                                                     {"crc32c", piece[5]}});
+    }
+  }
+}
+
+void publish(const json& index_in, const std::string& staging, const std::string& path,
+             const CheckpointSaveOptions& options) {
+  json index = index_in;
+  for (const auto& [name, content] : options.replicated_files()) {
+    write_file_synced(join(staging, name), content);
+    index["replicated_files"][name] = file_record(content);
+  }
+  write_file_synced(join(staging, kCheckpointIndexFile), index.dump(1));
+  fsync_directory(staging);
+  maybe_inject_fault("before_publish", 0);
+  publish_directory(staging, path);
+  maybe_inject_fault("before_latest", 0);
+  if (!options.latest_path().empty()) {
+    replace_file_atomically(options.latest_path(), options.latest_tag());
+  }
+}
+
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
+                                            c10::Device device, const std::string& tag) {
+  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(device);
+  comm.all_reduce_max(length, tag + "_length");
+  const int64_t width = length.cpu().item<int64_t>() + 8;
+  at::Tensor input = at::zeros({width}, at::kByte);
+  const uint64_t size = mine.size();
+  std::memcpy(input.data_ptr(), &size, 8);
+  std::memcpy(static_cast<char*>(input.data_ptr()) + 8, mine.data(), mine.size());
+  input = input.to(device);
+  at::Tensor output = at::empty({width * comm.world_size()}, input.options());
+  comm.all_gather(output, input, tag).wait();
+  output = output.cpu();
+  std::vector<std::string> all;
+  const char* bytes = static_cast<const char*>(output.data_ptr());
+  for (int64_t r = 0; r < comm.world_size(); ++r) {
+    uint64_t n = 0;
+    std::memcpy(&n, bytes + r * width, 8);
+    all.emplace_back(bytes + r * width + 8, n);
+  }
+  return all;
+}
+
+std::string combined_error(const std::vector<std::string>& errors) {
+  const auto failed =
+      std::count_if(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });
+  if (failed == 0) {
+    return "";
+  }
+  std::ostringstream message;
+  message << "(" << failed << " of " << errors.size() << " ranks failed): ";
+  if (failed == static_cast<int64_t>(errors.size()) &&
+      std::all_of(errors.begin(), errors.end(), [&](const auto& e) { return e == errors[0]; })) {
+    message << "every rank: " << errors[0];
+  } else {
+    for (size_t r = 0, listed = 0; r < errors.size(); ++r) {
+      if (!errors[r].empty()) {
+        message << (listed++ == 0 ? "" : "; ") << "rank " << r << ": " << errors[r];
+      }
+    }
+  }
+  return message.str();
+}
+
+std::string commit_through_store(c10d::Store* store, const std::string& key, int64_t rank,
+                                 int64_t world_size, const std::string& local_error,
+                                 const json& manifest, json index, const std::string& staging,
+                                 const std::string& path, const CheckpointSaveOptions& options) {
+  // A rank lost mid-save must not leave the others waiting forever.
+  constexpr auto kTimeout = std::chrono::minutes(30);
+  auto publish_on_rank0 = [&](const std::vector<std::string>& manifests) -> std::string {
+    try {
+      merge_manifests(index, manifests);
+      publish(index, staging, path, options);
+      return "";
+    } catch (const std::exception& e) {
+      return combined_error({message_of(e)});
+    }
+  };
+  if (world_size == 1) {
+    return local_error.empty() ? publish_on_rank0({manifest.dump()})
+                               : combined_error({local_error});
+  }
+  try {
+    store->set(key + "/rank" + std::to_string(rank),
+               local_error.empty() ? "ok" + manifest.dump() : "error" + local_error);
+    if (rank != 0) {
+      store->wait({key + "/outcome"}, kTimeout);
+      const std::string outcome = store->get_to_str(key + "/outcome");
+      return outcome == "ok" ? "" : outcome;
+    }
+    std::vector<std::string> keys;
+    for (int64_t r = 0; r < world_size; ++r) {
+      keys.push_back(key + "/rank" + std::to_string(r));
+    }
+    store->wait(keys, kTimeout);
+    std::vector<std::string> errors, manifests;
+    for (const auto& k : keys) {
+      const std::string value = store->get_to_str(k);
+      const bool ok = value.rfind("ok", 0) == 0;
+      errors.push_back(ok ? "" : value.substr(5));
+      manifests.push_back(ok ? value.substr(2) : "");
+    }
+    std::string outcome = combined_error(errors);
+    if (outcome.empty()) {
+      outcome = publish_on_rank0(manifests);
+    }
+    store->set(key + "/outcome", outcome.empty() ? "ok" : outcome);
+    return outcome;
+  } catch (const std::exception& e) {
+    return "(the ranks could not agree through the store: " + message_of(e) + ")";
+  }
+}
+
+void agree_on_errors(Communicator& comm, const std::string& local_error, const std::string& what,
+                     c10::Device device) {
+  const std::string error =
+      combined_error(all_gather_strings(comm, local_error, device, "checkpoint_errors"));
+  TORCH_CHECK_VALUE(error.empty(), "could not ", what, " ", error);
+}
+
+}  // namespace zeroshard::checkpoint_detail

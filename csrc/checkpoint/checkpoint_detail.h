@@ -1,0 +1,95 @@
+// Internal to the checkpoint code (csrc/checkpoint, zero_optimizer_checkpoint*.cpp):
+// the steps of a save that do not need the optimizer's state, shared by the
+// synchronous and the asynchronous save and by the load.
+#pragma once
+
+#include "zeroshard/checkpoint.h"
+#include "zeroshard/communicator.h"
+#include "zeroshard/offloaded_optimizer_state.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace zeroshard::checkpoint_detail {
+
+// The name checkpoints give a state: "master", "exp_avg", ...
+inline const char* checkpoint_state_name(OptimizerStateName name) {
+  switch (name) {
+    case OptimizerStateName::kMaster:
+      return "master";
+    case OptimizerStateName::kExpAvg:
+      return "exp_avg";
+    case OptimizerStateName::kExpAvgSq:
+      return "exp_avg_sq";
+    case OptimizerStateName::kMaxExpAvgSq:
+      return "max_exp_avg_sq";
+    case OptimizerStateName::kMomentumBuffer:
+      return "momentum_buffer";
+  }
+  return "?";
+}
+
+std::string rank_file_name(int64_t rank);
+std::string join(const std::string& dir, const std::string& name);
+std::string message_of(const std::exception& e);
+// Test hook for crash safety: ZEROSHARD_CHECKPOINT_FAULT="<rank>:<point>"
+// kills that rank with SIGKILL when it reaches `point` (after_rank_file,
+// before_publish, before_latest). Nothing else reads it.
+void maybe_inject_fault(const char* point, int64_t rank);
+nlohmann::json file_record(const std::string& content);
+
+// One tensor of a rank's data file: `numel` elements of `state` of parameter
+// `param` from element `begin`.
+struct PieceSpec {
+  std::string param;
+  std::string state;
+  int64_t begin = 0;
+  int64_t numel = 0;
+};
+
+// Writes `dir`/rank_<rank>.safetensors (piece i's values from piece(i)) and
+// the rank's extra files, fsynced. Returns the rank's manifest: the file, its
+// size, every piece with byte offset and CRC-32C, the extra files' records.
+nlohmann::json write_rank_file(const std::string& dir, int64_t rank, int64_t world_size,
+                               const std::vector<PieceSpec>& pieces,
+                               const std::function<at::Tensor(size_t)>& piece,
+                               const CheckpointFiles& rank_files);
+
+// Adds every rank's manifest to the index skeleton (parameters and groups
+// already listed, pieces not yet).
+void merge_manifests(nlohmann::json& index, const std::vector<std::string>& manifests);
+
+// Rank 0's commit: writes the replicated files and the index into `staging`,
+// fsyncs, publishes it as `path` and replaces `latest` when asked.
+void publish(const nlohmann::json& index, const std::string& staging, const std::string& path,
+             const CheckpointSaveOptions& options);
+
+// Every rank's string, in rank order (one all-reduce and one all-gather).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
+                                            c10::Device device, const std::string& tag);
+// Every rank learns every rank's error and raises the same message, naming
+// the ranks that failed and what they saw.
+void agree_on_errors(Communicator& comm, const std::string& local_error, const std::string& what,
+                     c10::Device device);
+// The asynchronous save's agreement, through the c10d store instead of
+// collectives (it runs on a background thread while training issues
+// collectives): each rank posts its manifest or error under `key`; rank 0
+// waits for all, merges them into `index`, publishes, and posts the outcome;
+// the others wait for it. Returns "" on success, else the error every rank
+// sees. `store` may be null when world_size is 1.
+std::string commit_through_store(c10d::Store* store, const std::string& key, int64_t rank,
+                                 int64_t world_size, const std::string& local_error,
+                                 const nlohmann::json& manifest, nlohmann::json index,
+                                 const std::string& staging, const std::string& path,
+                                 const CheckpointSaveOptions& options);
+
+// The message agree_on_errors raises, from every rank's error ("" = none).
+std::string combined_error(const std::vector<std::string>& errors);
+
+}  // namespace zeroshard::checkpoint_detail

@@ -1,0 +1,300 @@
+// ZeroOptimizer::load_checkpoint: reads the ranges this rank owns now from a
+// checkpoint saved at any layout. See [Note: Checkpoint pieces] in
+// zero_optimizer_checkpoint.cpp and docs/design.md ("Checkpoints").
+#include "../checkpoint/checkpoint_detail.h"
+#include "../checkpoint/durable_file.h"
+#include "zeroshard/crc32c.h"
+#include "zeroshard/safetensors.h"
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+
+namespace zeroshard {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using checkpoint_detail::checkpoint_state_name;
+using checkpoint_detail::join;
+using checkpoint_detail::message_of;
+
+constexpr std::array<OptimizerStateName, 5> kAllStates = {
+    OptimizerStateName::kMaster, OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq,
+    OptimizerStateName::kMaxExpAvgSq, OptimizerStateName::kMomentumBuffer};
+
+std::string verified_file(const std::string& dir, const std::string& name, const json& record) {
+  const std::string path = join(dir, name);
+  TORCH_CHECK_VALUE(fs::exists(path), "checkpoint file ", path, " is missing");
+  std::string content = checkpoint_detail::read_whole_file(path);
+  TORCH_CHECK_VALUE(
+      content.size() == record.at("bytes").get<size_t>() &&
+          crc32c(content.data(), content.size()) == record.at("crc32c").get<uint32_t>(),
+      "checkpoint file ", path, " is corrupt (size or CRC-32C differs from ", kCheckpointIndexFile,
+      ")");
+  return content;
+}
+
+std::string shape_string(at::IntArrayRef shape) {
+  std::ostringstream out;
+  out << shape;
+  return out.str();
+}
+
+std::string shape_string(const json& shape) {
+  return shape_string(at::IntArrayRef(shape.get<std::vector<int64_t>>()));
+}
+
+}  // namespace
+
+std::string checkpoint_path(const std::string& dir, const std::string& tag) {
+  fs::path path = fs::path(dir) / tag;
+  std::string text = path.lexically_normal().string();
+  while (text.size() > 1 && text.back() == '/') {
+    text.pop_back();
+  }
+  return text;
+}
+
+json read_checkpoint_index(const std::string& path) {
+  const std::string index_path = join(path, kCheckpointIndexFile);
+  TORCH_CHECK_VALUE(fs::exists(index_path), "no zeroshard checkpoint at ", path, ": ", index_path,
+                    " is missing",
+                    fs::exists(path + ".tmp") ? " (an unfinished save left " + path + ".tmp)" : "");
+  json index;
+  try {
+    index = json::parse(checkpoint_detail::read_whole_file(index_path));
+  } catch (const json::exception& e) {
+    TORCH_CHECK_VALUE(false, index_path, " is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK_VALUE(index.value("format", "") == "zeroshard-checkpoint", index_path,
+                    " is not a zeroshard checkpoint index");
+  TORCH_CHECK_VALUE(index.value("format_version", 0) == kCheckpointFormatVersion, index_path,
+                    " has format version ", index.value("format_version", 0),
+                    "; this build reads version ", kCheckpointFormatVersion);
+  return index;
+}
+
+std::string read_latest_tag(const std::string& dir) {
+  const std::string latest = join(dir, "latest");
+  TORCH_CHECK_VALUE(fs::exists(latest), "no tag given and ", latest,
+                    " does not exist: pass the tag of the checkpoint to load");
+  std::string tag = checkpoint_detail::read_whole_file(latest);
+  while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ' || tag.back() == '\r')) {
+    tag.pop_back();
+  }
+  TORCH_CHECK_VALUE(!tag.empty(), latest, " is empty");
+  return tag;
+}
+
+LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
+                                                const CheckpointLoadOptions& options) {
+  wait_for_checkpoint();  // an asynchronous save still being written
+  LoadedCheckpoint result;
+  result.path = checkpoint_path(path_in, "");
+  const std::string& path = result.path;
+  const bool with_state = options.load_optimizer_states();
+  std::vector<std::array<at::Tensor, 5>> loaded(shards_.size());
+  std::vector<std::vector<int64_t>> steps(shards_.size());
+  std::string error;
+  try {
+    result.index = read_checkpoint_index(path);
+    const json& index = result.index;
+    TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() ==
+                                         inner_optimizer_name(inner_kind_),
+                      "checkpoint ", path, " holds the state of optimizer ",
+                      index.at("inner_optimizer"), " but this optimizer is ",
+                      inner_optimizer_name(inner_kind_),
+                      "; load with load_optimizer_states=false to take its weights only");
+    // Match this optimizer's parameters with the saved ones by name.
+    std::unordered_map<std::string, const json*> saved;
+    for (const auto& param : index.at("params")) {
+      saved[param.at("name").get<std::string>()] = &param;
+      for (const auto& alias : param.at("aliases")) {
+        saved.emplace(alias.get<std::string>(), &param);
+      }
+    }
+    std::vector<std::vector<const json*>> match(shards_.size());
+    std::vector<std::string> mismatches;
+    int64_t mismatch_count = 0;
+    std::unordered_map<const json*, bool> used;
+    for (size_t g = 0; g < shards_.size(); ++g) {
+      for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+        const std::string name = parameter_name(g, i);
+        const at::Tensor& param = param_groups_[g].params()[i];
+        auto it = saved.find(name);
+        const json* entry = it == saved.end() ? nullptr : it->second;
+        if (entry == nullptr) {
+          ++mismatch_count;
+          if (mismatches.size() < 5) {
+            mismatches.push_back("'" + name + "' " + shape_string(param.sizes()) +
+                                 " is not in the checkpoint");
+          }
+        } else if (entry->at("shape").get<std::vector<int64_t>>() != param.sizes().vec()) {
+          ++mismatch_count;
+          if (mismatches.size() < 5) {
+            mismatches.push_back("'" + name + "' has shape " + shape_string(param.sizes()) +
+                                 " here but " + shape_string(entry->at("shape")) + " saved");
+          }
+        }
+        used[entry] = true;
+        match[g].push_back(entry);
+      }
+    }
+    for (const auto& param : index.at("params")) {
+      if (!used.count(&param)) {
+        ++mismatch_count;
+        if (mismatches.size() < 5) {
+          mismatches.push_back("saved '" + param.at("name").get<std::string>() + "' " +
+                               shape_string(param.at("shape")) + " is not in this model");
+        }
+      }
+    }
+    if (mismatch_count > 0) {
+      std::ostringstream message;
+      message << "checkpoint " << path << " is of another model: " << mismatch_count
+              << " parameters differ by name or shape, first: ";
+      for (size_t k = 0; k < mismatches.size(); ++k) {
+        message << (k ? "; " : "") << mismatches[k];
+      }
+      TORCH_CHECK_VALUE(false, message.str());
+    }
+
+    // Read the ranges this rank owns now, piece by piece, checksums verified.
+    std::vector<std::optional<SafetensorsReader>> files(index.at("files").size());
+    auto file = [&](size_t f) -> const SafetensorsReader& {
+      if (!files[f]) {
+        const std::string file_path = join(path, index.at("files")[f].at("name"));
+        TORCH_CHECK_VALUE(fs::exists(file_path), "checkpoint file ", file_path,
+                          " is missing (saved by rank ", f, " of ", index.at("world_size"), ")");
+        files[f].emplace(file_path);
+      }
+      return *files[f];
+    };
+    for (size_t g = 0; g < shards_.size(); ++g) {
+      const int64_t shard_numel = layout_->group(g).shard_numel();
+      for (OptimizerStateName state : kAllStates) {
+        const bool wanted =
+            state == OptimizerStateName::kMaster ||
+            (with_state && inner_optimizer_uses_state(inner_kind_, param_groups_[g].options(),
+                                                      static_cast<int>(state)));
+        if (!wanted) {
+          continue;
+        }
+        at::Tensor values = at::zeros({shard_numel}, at::kFloat);
+        bool any = false;
+        for (const ShardSegment& segment : shards_[g].segments) {
+          const json& entry = *match[g][segment.param_index];
+          const std::string& name = entry.at("name").get_ref<const std::string&>();
+          const json& states = entry.at("states");
+          if (!states.contains(checkpoint_state_name(state))) {
+            TORCH_CHECK_VALUE(state != OptimizerStateName::kMaster && entry.at("step") == 0,
+                              "checkpoint ", path, " has no ", checkpoint_state_name(state),
+                              " for parameter '", name, "'");
+            continue;  // never stepped: the state is zero, as a fresh one
+          }
+          const int64_t begin = segment.param_offset, end = begin + segment.numel;
+          int64_t covered = 0;
+          for (const auto& piece : states.at(checkpoint_state_name(state))) {
+            const int64_t piece_begin = piece.at("begin"), numel = piece.at("numel");
+            const int64_t lo = std::max(begin, piece_begin);
+            const int64_t hi = std::min(end, piece_begin + numel);
+            if (lo >= hi) {
+              continue;
+            }
+            const size_t f = piece.at("file");
+            const SafetensorsReader& reader = file(f);
+            at::Tensor buffer = at::empty({numel}, at::kFloat);
+            reader.read(piece.at("offset"), buffer.data_ptr(), numel * 4);
+            TORCH_CHECK_VALUE(crc32c(buffer.data_ptr(), static_cast<size_t>(numel) * 4) ==
+                                  piece.at("crc32c").get<uint32_t>(),
+                              "checksum mismatch in ", reader.path(), " for ",
+                              checkpoint_state_name(state), " of parameter '", name, "' (elements ",
+                              piece_begin, " to ", piece_begin + numel, "): the file is corrupt");
+            values.narrow(0, segment.shard_offset + lo - begin, hi - lo)
+                .copy_(buffer.narrow(0, lo - piece_begin, hi - lo));
+            covered += hi - lo;
+          }
+          TORCH_CHECK_VALUE(covered == segment.numel, "checkpoint ", path, " covers ", covered,
+                            " of elements ", begin, " to ", end, " of ",
+                            checkpoint_state_name(state), " of parameter '", name, "'");
+          any = true;
+        }
+        if (any || state == OptimizerStateName::kMaster) {
+          loaded[g][static_cast<size_t>(state)] = values;
+        }
+      }
+      for (const json* entry : match[g]) {
+        steps[g].push_back(entry->at("step").get<int64_t>());
+      }
+    }
+    for (const auto& [name, record] : index.at("replicated_files").items()) {
+      result.replicated_files[name] = verified_file(path, name, record);
+    }
+    if (comm_->rank() < static_cast<int64_t>(index.at("rank_files").size())) {
+      for (const auto& [name, record] : index.at("rank_files")[comm_->rank()].items()) {
+        result.rank_files[name] = verified_file(path, name, record);
+      }
+    }
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  checkpoint_detail::agree_on_errors(
+      *comm_, error, "load checkpoint " + path + "; nothing was loaded on any rank", device());
+
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    GroupShards& shard = shards_[g];
+    write_master(g, 0, loaded[g][0].to(fp32_options()));
+    if (!with_state) {
+      continue;
+    }
+    at::Tensor* tensors[] = {nullptr, &shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
+                             &shard.momentum_buffer};
+    for (size_t k = 1; k < kAllStates.size(); ++k) {
+      const at::Tensor& values = loaded[g][k];
+      if (!values.defined()) {
+        continue;
+      }
+      if (offloaded_) {
+        offloaded_->write(g, kAllStates[k], 0, values);
+      } else if (tensors[k]->defined()) {
+        tensors[k]->copy_(values);
+      } else {
+        *tensors[k] = values.to(fp32_options());
+      }
+    }
+    shard.steps = steps[g];
+  }
+  if (with_state) {
+    // Hyper-parameters follow the saved groups when the grouping is the same.
+    const json& groups = result.index.at("groups");
+    bool same_grouping = groups.size() == param_groups_.size();
+    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
+      same_grouping = groups[g].at("params").size() == param_groups_[g].params().size();
+      for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
+        same_grouping = groups[g].at("params")[i].get<std::string>() == parameter_name(g, i);
+      }
+    }
+    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
+      apply_inner_options_json(inner_kind_, param_groups_[g].options(),
+                               groups[g].at("hyperparameters"));
+    }
+  }
+  if (offloaded_) {
+    refresh_parameters_from_master();
+  }
+  gather_parameters();
+  return result;
+}
+
+}  // namespace zeroshard
