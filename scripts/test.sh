@@ -9,5 +9,13 @@ source scripts/ensure_env.sh
 echo "== C++ tests (GoogleTest via ctest)"
 ctest --test-dir build/cmake --output-on-failure --timeout 300
 
+# A test-only peer: the DeepSpeed migration test makes its fixtures with
+# DeepSpeed itself (CPU). --no-deps keeps pip from replacing the pinned torch.
+if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
+  echo "[zeroshard] installing deepspeed==0.19.8 for the migration test"
+  "$PYTHON" -m pip install -q --no-deps deepspeed==0.19.8
+  "$PYTHON" -m pip install -q hjson py-cpuinfo pydantic msgpack einops psutil nvidia-ml-py
+fi
+
 echo "== Python tests (pytest)"
 "$PYTHON" -m pytest tests/python -q -p no:cacheprovider "$@"

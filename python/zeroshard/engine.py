@@ -13,13 +13,14 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard import _C
+from zeroshard import _C, deepspeed_migration
 from zeroshard.optimizer import _IN_FLIGHT, ZeroOptimizer
 
 
@@ -168,7 +169,14 @@ class Engine:
         ``ValueError`` on every rank, before anything changes, for another
         model (naming the first mismatched names and shapes), a corrupt file
         (naming the file and parameter) or a missing one.
+
+        A DeepSpeed ZeRO checkpoint (``*_optim_states.pt`` files, no
+        ``index.json``) loads too: rank 0 converts it into
+        ``load_dir/<tag>.zeroshard`` (``zeroshard.deepspeed_migration``; kept,
+        and reused while the DeepSpeed files are unchanged) and every rank
+        loads that.
         """
+        tag = self._deepspeed_tag(load_dir, tag)
         loaded = self._impl.load_checkpoint(
             os.fspath(load_dir),
             tag or "",
@@ -187,6 +195,34 @@ class Engine:
             _set_python_rng_state(_from_bytes(rng))
         client_state = _from_bytes(files["client_state.pt"]) if "client_state.pt" in files else None
         return str(loaded["path"]), client_state
+
+    def _deepspeed_tag(self, load_dir: str | os.PathLike[str], tag: str | None) -> str | None:
+        """The tag to load: ``tag``, or its conversion if it names a DeepSpeed checkpoint.
+
+        Collective when it does: rank 0 converts, then broadcasts its outcome,
+        so the others load only a complete conversion and every rank raises if
+        it failed (a barrier would leave them waiting on a rank 0 that raised).
+        """
+        root = Path(load_dir)
+        name = tag or (_C.read_latest_tag(str(root)) if (root / "latest").exists() else None)
+        if name is None or not deepspeed_migration.is_deepspeed_checkpoint(root / name):
+            return tag
+        source, converted = root / name, root / f"{name}.zeroshard"
+        group = self.optimizer._process_group
+        outcome: list[str | None] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                if not deepspeed_migration.is_converted(source, converted):
+                    deepspeed_migration.convert_deepspeed_checkpoint(source, converted)
+            except Exception as error:  # noqa: BLE001 - raised below, on every rank
+                outcome[0] = f"{type(error).__name__}: {error}"
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        if outcome[0] is not None:
+            raise ValueError(
+                f"could not convert DeepSpeed checkpoint {source} into {converted} "
+                f"(on rank 0): {outcome[0]}"
+            )
+        return converted.name
 
     def last_telemetry(self) -> dict[str, Any] | None:
         """The last telemetry record printed (every ``steps_per_print`` steps)."""
