@@ -187,7 +187,8 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
     store->set(key + "/rank" + std::to_string(rank),
                local_error.empty() ? "ok" + manifest.dump() : "error" + local_error);
     if (rank != 0) {
-      store->wait({key + "/outcome"}, kTimeout);
+      // Longer than rank 0's own wait, which always ends with an outcome.
+      store->wait({key + "/outcome"}, 2 * kTimeout);
       const std::string outcome = store->get_to_str(key + "/outcome");
       return outcome == "ok" ? "" : outcome;
     }
@@ -210,7 +211,15 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
     store->set(key + "/outcome", outcome.empty() ? "ok" : outcome);
     return outcome;
   } catch (const std::exception& e) {
-    return "(the ranks could not agree through the store: " + message_of(e) + ")";
+    const std::string outcome =
+        "(the ranks could not agree through the store: " + message_of(e) + ")";
+    if (rank == 0) {
+      try {
+        store->set(key + "/outcome", outcome);  // the others stop waiting too
+      } catch (const std::exception&) {         // the store itself is gone: they time out
+      }
+    }
+    return outcome;
   }
 }
 

@@ -137,9 +137,13 @@ void publish_directory(const std::string& from, const std::string& to) {
     if (::syscall(SYS_renameat2, AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), kRenameExchange) ==
         0) {
       fsync_directory(parent_directory(to));
-      fs::remove_all(from);  // now the old directory
+      std::error_code ignored;  // `to` is published: a leftover old copy is harmless
+      fs::remove_all(from, ignored);
       return;
     }
+    // Only a kernel or file system without the exchange falls through.
+    TORCH_CHECK(errno == EINVAL || errno == ENOSYS, "cannot exchange ", from, " with ", to, ": ",
+                os_error());
 #endif
     // No atomic exchange (old kernel or file system): move the old one aside
     // first; `to` is missing for an instant, never half-written.

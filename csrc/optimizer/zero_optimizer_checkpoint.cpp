@@ -156,7 +156,9 @@ json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& optio
 
 void ZeroOptimizer::save_checkpoint(const std::string& path_in,
                                     const CheckpointSaveOptions& options) {
-  wait_for_checkpoint();  // one save at a time: the previous asynchronous one first
+  // One save at a time: the previous asynchronous one first; its failure is
+  // reported through the first agreement, so every rank raises together.
+  std::string error = finish_pending_checkpoint();
   const std::string path = checkpoint_path(path_in, "");
   const std::string staging = path + ".tmp";
   const int64_t rank = comm_->rank();
@@ -165,8 +167,7 @@ void ZeroOptimizer::save_checkpoint(const std::string& path_in,
                     "async_save needs the process group's c10d store to agree on the commit "
                     "off the collective stream: call set_failure_store(store, prefix) first "
                     "(the Python layer does)");
-  std::string error;
-  if (rank == 0) {
+  if (rank == 0 && error.empty()) {
     try {
       fs::remove_all(staging);  // what an interrupted save left
       fs::create_directories(staging);
@@ -244,7 +245,15 @@ void ZeroOptimizer::save_checkpoint(const std::string& path_in,
   auto pending = std::make_unique<PendingCheckpoint>();
   pending->path = path;
   PendingCheckpoint* state = pending.get();
+  // Its own connection: a store client serializes its calls, and the writer's
+  // long waits must not hold up the failure reports or torch's own use of it.
   c10::intrusive_ptr<c10d::Store> store = comm_->store();
+  if (store) {
+    try {
+      store = store->clone();
+    } catch (const std::exception&) {  // a store that cannot be cloned: share it
+    }
+  }
   pending->writer = std::thread([state, store, key, rank, world, staging, path, options,
                                  pieces = std::move(pieces), offsets = std::move(offsets),
                                  copy = std::move(copy), skeleton = std::move(skeleton)]() mutable {
@@ -269,15 +278,22 @@ void ZeroOptimizer::save_checkpoint(const std::string& path_in,
 
 bool ZeroOptimizer::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
 
-void ZeroOptimizer::wait_for_checkpoint() {
+std::string ZeroOptimizer::finish_pending_checkpoint() {
   if (!pending_checkpoint_) {
-    return;
+    return "";
   }
   std::unique_ptr<PendingCheckpoint> pending = std::move(pending_checkpoint_);
   pending->writer.join();
-  TORCH_CHECK_VALUE(pending->error.empty(), "the asynchronous save of checkpoint ", pending->path,
-                    " failed ", pending->error,
-                    "; the previous checkpoint and `latest` are unchanged");
+  if (pending->error.empty()) {
+    return "";
+  }
+  return "the asynchronous save of checkpoint " + pending->path + " failed " + pending->error +
+         "; unless it was committed, the previous checkpoint and `latest` are unchanged";
+}
+
+void ZeroOptimizer::wait_for_checkpoint() {
+  const std::string error = finish_pending_checkpoint();
+  TORCH_CHECK_VALUE(error.empty(), error);
 }
 
 void ZeroOptimizer::finish_checkpoint_quietly() noexcept {

@@ -98,16 +98,21 @@ std::string read_latest_tag(const std::string& dir) {
 
 LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
                                                 const CheckpointLoadOptions& options) {
-  wait_for_checkpoint();  // an asynchronous save still being written
+  // An asynchronous save still being written: its failure is reported through
+  // the agreement below, so every rank raises together.
+  std::string error = finish_pending_checkpoint();
   LoadedCheckpoint result;
   result.path = checkpoint_path(path_in, "");
   const std::string& path = result.path;
   const bool with_state = options.load_optimizer_states();
   std::vector<std::array<at::Tensor, 5>> loaded(shards_.size());
   std::vector<std::vector<int64_t>> steps(shards_.size());
-  std::string error;
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
+  std::string index_crc;
   try {
+    TORCH_CHECK_VALUE(error.empty(), error);
     result.index = read_checkpoint_index(path);
+    index_crc = std::to_string(crc32c(result.index.dump().data(), result.index.dump().size()));
     const json& index = result.index;
     TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() ==
                                          inner_optimizer_name(inner_kind_),
@@ -180,13 +185,29 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       }
       return *files[f];
     };
+    // Hyper-parameters follow the saved groups when the grouping is the same;
+    // then they, not the current ones, say which states exist (amsgrad,
+    // momentum). Applied only after every rank agreed.
+    const json& groups = index.at("groups");
+    bool same_grouping = with_state && groups.size() == param_groups_.size();
+    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
+      same_grouping = groups[g].at("params").size() == param_groups_[g].params().size();
+      for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
+        same_grouping = groups[g].at("params")[i].get<std::string>() == parameter_name(g, i);
+      }
+    }
+    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
+      saved_options.push_back(param_groups_[g].options().clone());
+      apply_inner_options_json(inner_kind_, *saved_options.back(), groups[g].at("hyperparameters"));
+    }
     for (size_t g = 0; g < shards_.size(); ++g) {
       const int64_t shard_numel = layout_->group(g).shard_numel();
+      const torch::optim::OptimizerOptions& group_options =
+          same_grouping ? *saved_options[g] : param_groups_[g].options();
       for (OptimizerStateName state : kAllStates) {
-        const bool wanted =
-            state == OptimizerStateName::kMaster ||
-            (with_state && inner_optimizer_uses_state(inner_kind_, param_groups_[g].options(),
-                                                      static_cast<int>(state)));
+        const bool wanted = state == OptimizerStateName::kMaster ||
+                            (with_state && inner_optimizer_uses_state(inner_kind_, group_options,
+                                                                      static_cast<int>(state)));
         if (!wanted) {
           continue;
         }
@@ -250,6 +271,14 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   }
   checkpoint_detail::agree_on_errors(
       *comm_, error, "load checkpoint " + path + "; nothing was loaded on any rank", device());
+  // Every rank must have read the same checkpoint (a file system that is not
+  // shared, or caches a replaced `latest`/index, would mix two).
+  const auto crcs =
+      checkpoint_detail::all_gather_strings(*comm_, index_crc, device(), "checkpoint_index");
+  TORCH_CHECK_VALUE(
+      std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
+      "the ranks read different index.json files for checkpoint ", path,
+      " (it must be on a file system every rank sees alike); nothing was loaded");
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {
@@ -275,20 +304,8 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     }
     shard.steps = steps[g];
   }
-  if (with_state) {
-    // Hyper-parameters follow the saved groups when the grouping is the same.
-    const json& groups = result.index.at("groups");
-    bool same_grouping = groups.size() == param_groups_.size();
-    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
-      same_grouping = groups[g].at("params").size() == param_groups_[g].params().size();
-      for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
-        same_grouping = groups[g].at("params")[i].get<std::string>() == parameter_name(g, i);
-      }
-    }
-    for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
-      apply_inner_options_json(inner_kind_, param_groups_[g].options(),
-                               groups[g].at("hyperparameters"));
-    }
+  for (size_t g = 0; g < saved_options.size(); ++g) {
+    param_groups_[g].set_options(std::move(saved_options[g]));
   }
   if (offloaded_) {
     refresh_parameters_from_master();

@@ -4,6 +4,7 @@ The work happens in C++ (``zeroshard._C``); this package is a thin,
 idiomatic layer over it.
 """
 
+from zeroshard.checkpoint import consolidate, consolidated_state_dict
 from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, recommend
 from zeroshard.optimizer import ZeroOptimizer
@@ -11,5 +12,13 @@ from zeroshard.teardown import release_pinned_default_groups
 
 release_pinned_default_groups()
 
-__all__ = ["Engine", "ZeroOptimizer", "estimate", "initialize", "recommend"]
+__all__ = [
+    "Engine",
+    "ZeroOptimizer",
+    "consolidate",
+    "consolidated_state_dict",
+    "estimate",
+    "initialize",
+    "recommend",
+]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -46,7 +47,10 @@ _IN_FLIGHT: weakref.WeakSet[ZeroOptimizer] = weakref.WeakSet()
 @atexit.register
 def _finish_checkpoints() -> None:
     for optimizer in list(_IN_FLIGHT):
-        optimizer._impl.wait_for_checkpoint()
+        try:
+            optimizer._impl.wait_for_checkpoint()
+        except Exception as error:  # noqa: BLE001 - exit: report and wait for the others
+            print(f"[zeroshard] {error}", file=sys.stderr)
 
 
 def _canonical_optimizer(name: str) -> str:

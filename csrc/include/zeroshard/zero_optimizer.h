@@ -268,6 +268,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   bool has_state(size_t g, OptimizerStateName name) const;
   nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
   void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
+  // Joins an asynchronous save in flight; its error ("" if none).
+  std::string finish_pending_checkpoint();
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
