@@ -22,6 +22,7 @@ from torch import nn
 
 from zeroshard import _C, deepspeed_migration
 from zeroshard.optimizer import _IN_FLIGHT, ZeroOptimizer
+from zeroshard.units import resolve_unit_classes
 
 
 def _load_config(config: str | os.PathLike | dict[str, Any], world_size: int) -> Any:
@@ -317,7 +318,9 @@ def initialize(
     Returns ``(engine, optimizer, None, lr_scheduler)`` as ``deepspeed.initialize``
     (the third item, a data loader, is not built). ``config`` is DeepSpeed's
     JSON as a path or a dict; errors name the key and what is expected.
-    Stage 3 uses ``model`` for its hooks and ``unit_classes`` as the wrap policy.
+    Stage 3 uses ``model`` for its hooks and ``unit_classes``, with the classes
+    the config names in ``"zeroshard": {"unit_classes": [...]}``, as the wrap
+    policy (see :func:`zeroshard.units.plan_units` for the default).
     """
     if config is None:
         raise ValueError("zeroshard.initialize needs config= (a DeepSpeed JSON path or dict)")
@@ -337,7 +340,12 @@ def initialize(
     max_norm = zero.pop("max_norm")
     stage3: dict[str, Any] = {}
     if stage == 3:
-        stage3 = {"unit_classes": unit_classes, "param_init_fn": param_init_fn}
+        classes = tuple(unit_classes) + resolve_unit_classes(model, parsed.unit_classes)
+        stage3 = {"unit_classes": classes, "param_init_fn": param_init_fn}
+    elif parsed.unit_classes:
+        raise ValueError(
+            f"zeroshard.unit_classes is a stage 3 setting; zero_optimization.stage is {stage}"
+        )
     optimizer = ZeroOptimizer(
         model_parameters if model_parameters is not None else model.parameters(),
         arguments["optimizer"],

@@ -52,20 +52,12 @@ def parse_bytes(text: str | float | int) -> float:
 
 
 def count_model(model: nn.Module) -> tuple[int, int]:
-    """(parameters, parameters of the largest unit): tied parameters count once; a
-    unit is a module with the parameters it owns directly."""
-    seen: set[int] = set()
-    total = 0
-    largest = 0
-    for module in model.modules():
-        own = 0
-        for param in module.parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            own += param.numel()
-        total += own
-        largest = max(largest, own)
+    """(parameters, parameters of the largest stage 3 unit under the default wrap
+    policy, :func:`zeroshard.units.plan_units`): tied parameters count once."""
+    from zeroshard.units import plan_units
+
+    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    largest = max((sum(p.numel() for p in unit.params) for unit in plan_units(model)), default=0)
     return total, largest
 
 
@@ -83,6 +75,7 @@ def estimate(
     stages: Sequence[int] = (0, 1, 2, 3),
     offload_ratio: float = 1.0,
     sub_group_size: float = 1e9,
+    nvme_buffer_count: int = 4,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -92,8 +85,9 @@ def estimate(
     ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
     ignored (reported as not applicable) below it. ``offload_ratio`` and
-    ``sub_group_size`` are those of CPU optimizer offload (``cpu_bytes_per_node``
-    includes its staging buffers, see ``zeroshard::EstimateOptions``).
+    ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``
+    includes its staging buffers, and with NVMe ``nvme_buffer_count``
+    sub-groups of state in host buffers; see ``zeroshard::EstimateOptions``).
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -120,6 +114,7 @@ def estimate(
                 param_offload,
                 float(offload_ratio),
                 float(sub_group_size),
+                int(nvme_buffer_count),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

@@ -8,8 +8,11 @@ this module only decides the units and calls into it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,47 +31,198 @@ def _direct_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module._parameters.values() if p is not None]
 
 
-def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -> list[Unit]:
-    """The units of ``model``, in ``named_modules()`` order.
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
-    A module that is an instance of one of ``unit_classes`` (a transformer
-    block, say) is one unit with every parameter under it. Every other module
-    that owns parameters directly, and is not inside such a unit, is a unit of
-    its direct parameters. A parameter shared by several modules (tied
-    embeddings) is listed in each unit that uses it: it is stored with the
-    first and gathered for all.
+
+def repeated_blocks(model: nn.Module) -> set[int]:
+    """ids of the default policy's blocks: the children of an ``nn.ModuleList``,
+    and the children of an ``nn.Sequential`` whose class repeats there (the
+    layers of a transformer), that hold parameters. Outermost only: a list
+    inside a block belongs to the block (a MoE's experts stay with their layer).
+    """
+    blocks: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        if isinstance(module, nn.ModuleList):
+            found = [c for c in children if _has_params(c)]
+        elif isinstance(module, nn.Sequential):
+            counts: dict[type, int] = {}
+            for child in children:
+                counts[type(child)] = counts.get(type(child), 0) + 1
+            found = [c for c in children if counts[type(c)] > 1 and _has_params(c)]
+        else:
+            found = []
+        blocks.update(id(c) for c in found)
+        for child in children:
+            if id(child) not in blocks:
+                visit(child)
+
+    visit(model)
+    return blocks
+
+
+def resolve_unit_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[nn.Module], ...]:
+    """The module classes of ``model`` that ``names`` designate, by class name
+    (``"LlamaDecoderLayer"``) or qualified name (``"transformers.models.llama.
+    modeling_llama.LlamaDecoderLayer"``); a name no module of the model has is
+    an error listing the classes it does have."""
+    present: dict[str, type[nn.Module]] = {}
+    for module in model.modules():
+        cls = type(module)
+        present.setdefault(cls.__name__, cls)
+        present.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+    missing = [name for name in names if name not in present]
+    if missing:
+        short = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"zeroshard.unit_classes names {missing}, which no module of the model is; "
+            f"its module classes are {short}"
+        )
+    return tuple(dict.fromkeys(present[name] for name in names))
+
+
+def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -> list[Unit]:
+    """The units of ``model`` (the stage 3 wrap policy), in ``named_modules()`` order.
+
+    Blocks are the instances of ``unit_classes`` or, when none are given, the
+    repeated layers (see :func:`repeated_blocks`). A block is one unit with
+    every parameter under it; blocks do not nest. Every other module that owns
+    parameters directly and is not inside a unit is a unit with its own
+    parameters and those of its descendants outside blocks: a module's forward
+    may read a child's parameters without calling the child
+    (``nn.MultiheadAttention`` reads ``out_proj.weight``), so they must be
+    gathered while the module runs. A parameter shared by several units (tied
+    embeddings) is listed in each: it is stored with the first and gathered
+    for all.
     """
     classes = tuple(unit_classes)
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"unit_classes must be nn.Module subclasses, got {cls!r}")
+    blocks = set() if classes else repeated_blocks(model)
     units: list[Unit] = []
-    covered: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in covered:
-            continue
-        label = name or "<root>"
-        if classes and isinstance(module, classes):
-            params = list(dict.fromkeys(module.parameters()))  # dedupe, keep order
-            for sub in module.modules():
-                covered.add(id(sub))
-            if params:
-                units.append(Unit(label, module, params))
-            continue
-        direct = _direct_params(module)
-        if direct:
-            units.append(Unit(label, module, direct))
-    return units
+    visited: set[int] = set()
+
+    def visit(name: str, module: nn.Module, owner: Unit | None, in_block: bool) -> None:
+        if id(module) in visited:  # a module registered twice is visited once, as named_modules
+            return
+        visited.add(id(module))
+        is_block = isinstance(module, classes) if classes else id(module) in blocks
+        if is_block and not in_block:
+            owner, in_block = Unit(name or "<root>", module), True
+            units.append(owner)
+        elif owner is None and _direct_params(module):
+            owner = Unit(name or "<root>", module)
+            units.append(owner)
+        if owner is not None:
+            owner.params.extend(_direct_params(module))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, owner, in_block)
+
+    visit("", model, None, False)
+    for unit in units:
+        unit.params = list(dict.fromkeys(unit.params))  # dedupe, keep order
+    return [unit for unit in units if unit.params]
 
 
-def register_hooks(impl: object, units: list[Unit]) -> list[torch.utils.hooks.RemovableHandle]:
-    """Registers each unit's pre/post-forward hooks (implemented in C++)."""
+def register_hooks(
+    impl: object, units: list[Unit], model: nn.Module | None = None
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Registers each unit's pre/post-forward hooks (implemented in C++), and on
+    ``model`` a hook that explains a read of a released parameter."""
     from zeroshard import _C
 
     handles: list[torch.utils.hooks.RemovableHandle] = []
     for index, unit in enumerate(units):
         handles.extend(_C.register_unit_hooks(impl, unit.module, index))
+    if model is not None:
+        handles.append(_register_released_read_note(model, units))
     return handles
+
+
+# What ATen says when an op touches a released parameter (see [Note: Released
+# parameters] in parameter_gatherer.h).
+_RELEASED_READ_MESSAGES = ("storage of size 0", "data is not allocated")
+
+
+def _register_released_read_note(
+    model: nn.Module, units: list[Unit]
+) -> torch.utils.hooks.RemovableHandle:
+    """A forward hook on the model that runs when its forward raised: if an op
+    read a released parameter, the exception gets a note that names the
+    parameters and the module to make a unit (torch re-raises the original
+    exception after always_call hooks, so a note is what a hook can add)."""
+
+    def note(module: nn.Module, args: Any, output: Any) -> None:
+        if output is not None:  # the forward returned: nothing to explain
+            return
+        error = sys.exc_info()[1]
+        if error is None or not any(m in str(error) for m in _RELEASED_READ_MESSAGES):
+            return
+        text = explain_released_read(model, units, error.__traceback__)
+        if text and text not in getattr(error, "__notes__", ()):
+            error.add_note(text)
+
+    return model.register_forward_hook(note, always_call=True)
+
+
+def explain_released_read(
+    model: nn.Module, units: list[Unit], traceback: TracebackType | None
+) -> str | None:
+    """Which module's forward read parameters its units do not gather.
+
+    The innermost module of ``model`` on the traceback is the one whose forward
+    made the failing op; the parameters under it that no enclosing unit lists
+    are those it read without calling their own module.
+    """
+    names = {id(m): name or "<root>" for name, m in model.named_modules()}
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    culprit_module = None
+    for frame in reversed(frames):  # innermost first
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and id(candidate) in names:
+            culprit_module = candidate
+            break
+    if culprit_module is None:
+        return None
+    prefix = names[id(culprit_module)]
+    ancestors = _ancestors(model, culprit_module)
+    gathered = {id(p) for unit in units if id(unit.module) in ancestors for p in unit.params}
+    owner = {id(p): unit.name for unit in units for p in unit.params}
+    released = [
+        (f"{prefix}.{name}" if prefix != "<root>" else name, owner.get(id(p), "none"))
+        for name, p in culprit_module.named_parameters()
+        if id(p) not in gathered
+    ]
+    if not released:
+        return None
+    listed = ", ".join(f"'{name}' (unit '{unit}')" for name, unit in released[:5])
+    more = f" and {len(released) - 5} more" if len(released) > 5 else ""
+    cls = type(culprit_module).__name__
+    return (
+        f"zeroshard stage 3: the forward of '{prefix}' ({cls}) read parameters that no unit "
+        f"enclosing it gathers, so they were released: {listed}{more}. Make '{prefix}' one "
+        f"unit: pass unit_classes=({cls}, ...) to ZeroOptimizer or zeroshard.initialize, or "
+        f'list "{cls}" in the config\'s "zeroshard": {{"unit_classes": [...]}}.'
+    )
+
+
+def _ancestors(model: nn.Module, target: nn.Module) -> set[int]:
+    """ids of ``target`` and the modules above it in ``model``."""
+    for name, module in model.named_modules():
+        if module is target:
+            chain = {id(model), id(target)}
+            current = model
+            for part in name.split(".") if name else []:
+                current = getattr(current, part)
+                chain.add(id(current))
+            return chain
+    return {id(target)}
 
 
 def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
