@@ -17,6 +17,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, include_path
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+# io_uring for the NVMe tier (Debian's liburing-dev, installed by
+# scripts/ensure_env.sh); without it the I/O engine uses its thread pool.
+LIBURING = os.path.exists("/usr/include/liburing.h")
 
 # The host optimizer kernel is compiled once per CPU capability, with the
 # flags ATen uses for its own variants; the right one is picked at run time
@@ -52,6 +55,7 @@ def core_sources() -> list[str]:
         "csrc/optimizer/*.cpp",
         "csrc/offload/*.cpp",
         "csrc/checkpoint/*.cpp",
+        "csrc/io/*.cpp",
         "csrc/bindings/*.cpp",
     ]
     sources: list[str] = []
@@ -109,7 +113,11 @@ setup(
             sources=core_sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
             extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]},
-            define_macros=[("ZEROSHARD_HOST_KERNELS_X86", "1" if X86 else "0")],
+            define_macros=[
+                ("ZEROSHARD_HOST_KERNELS_X86", "1" if X86 else "0"),
+                ("ZEROSHARD_WITH_LIBURING", "1" if LIBURING else "0"),
+            ],
+            libraries=["uring"] if LIBURING else [],
             extra_link_args=["-fopenmp"],
         )
     ],

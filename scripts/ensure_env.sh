@@ -14,6 +14,7 @@ command -v g++ >/dev/null || missing_debs+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || missing_debs+=(libgtest-dev)
 [ -f /usr/include/gloo/rendezvous/store.h ] || missing_debs+=(libgloo-dev)
 [ -f /usr/include/nlohmann/json.hpp ] || missing_debs+=(nlohmann-json3-dev)
+[ -f /usr/include/liburing.h ] || missing_debs+=(liburing-dev)
 if [ ${#missing_debs[@]} -gt 0 ]; then
   echo "[zeroshard] installing Debian packages: ${missing_debs[*]}"
   SUDO=""

@@ -111,8 +111,39 @@ OffloadOptions offload_options_from(const py::dict& values) {
       options.max_in_cpu(value.cast<int64_t>());
     } else if (key == "nvme_path") {
       options.nvme_path(value.cast<std::string>());
+    } else if (key == "pipeline_read") {
+      options.pipeline_read(value.cast<bool>());
+    } else if (key == "pipeline_write") {
+      options.pipeline_write(value.cast<bool>());
     } else {
       TORCH_CHECK_TYPE(false, "unknown offload option '", key, "'");
+    }
+  }
+  return options;
+}
+
+// DeepSpeed's "aio" section from the Python layer's dict.
+AioOptions aio_options_from(const py::dict& values) {
+  AioOptions options;
+  for (const auto& item : values) {
+    const auto key = item.first.cast<std::string>();
+    const py::handle value = item.second;
+    if (key == "block_size") {
+      options.block_size(value.cast<int64_t>());
+    } else if (key == "queue_depth") {
+      options.queue_depth(value.cast<int64_t>());
+    } else if (key == "intra_op_parallelism" || key == "thread_count") {
+      options.intra_op_parallelism(value.cast<int64_t>());
+    } else if (key == "single_submit") {
+      options.single_submit(value.cast<bool>());
+    } else if (key == "overlap_events") {
+      options.overlap_events(value.cast<bool>());
+    } else if (key == "use_io_uring") {
+      options.use_io_uring(value.cast<bool>());
+    } else {
+      TORCH_CHECK_TYPE(false, "unknown aio option '", key,
+                       "'; expected block_size, queue_depth, intra_op_parallelism, "
+                       "single_submit, overlap_events or use_io_uring");
     }
   }
   return options;
@@ -161,6 +192,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.offload_param(offload_options_from(value.cast<py::dict>()));
     } else if (key == "sub_group_size") {
       options.sub_group_size(value.cast<int64_t>());
+    } else if (key == "aio") {
+      options.aio(aio_options_from(value.cast<py::dict>()));
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
@@ -211,8 +244,9 @@ EstimateOptions estimate_options(double num_params, double largest_unit_params, 
                                  int64_t ranks_per_node, const std::string& precision,
                                  const std::string& optimizer, const std::string& offload_optimizer,
                                  const std::string& offload_param, double offload_ratio = 1.0,
-                                 double sub_group_size = 1e9) {
+                                 double sub_group_size = 1e9, int64_t nvme_buffer_count = 4) {
   return EstimateOptions()
+      .nvme_buffer_count(nvme_buffer_count)
       .offload_ratio(offload_ratio)
       .sub_group_size(sub_group_size)
       .num_params(num_params)
@@ -264,21 +298,24 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def(
+      "io_uring_available", [] { return zeroshard::io_uring_available(); },
+      "Whether the NVMe tier's I/O can use io_uring here (built in and permitted).");
+  m.def(
       "estimate_memory",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
          int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
          const std::string& offload_optimizer, const std::string& offload_param,
-         double offload_ratio, double sub_group_size) {
+         double offload_ratio, double sub_group_size, int64_t nvme_buffer_count) {
         return zeroshard::estimate_dict(zeroshard::estimate_memory(
             stage,
             zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                         precision, optimizer, offload_optimizer, offload_param,
-                                        offload_ratio, sub_group_size)));
+                                        offload_ratio, sub_group_size, nvme_buffer_count)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
       py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
-      py::arg("sub_group_size") = 1e9);
+      py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4);
   m.def(
       "deepspeed_estimate",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
@@ -399,6 +436,22 @@ PYBIND11_MODULE(_C, m) {
       .def("optimizer_state_bytes", &ZeroOptimizer::optimizer_state_bytes)
       .def("device_model_state_bytes", &ZeroOptimizer::device_model_state_bytes)
       .def("host_model_state_bytes", &ZeroOptimizer::host_model_state_bytes)
+      .def("nvme_stats",
+           [](const ZeroOptimizer& self) -> py::object {
+             const zeroshard::NvmeStateSwapper* swapper = self.nvme_swapper();
+             if (swapper == nullptr) {
+               return py::none();
+             }
+             py::dict out;
+             out["backend"] = swapper->io_backend();
+             out["directory"] = swapper->directory();
+             out["disk_bytes"] = swapper->disk_bytes();
+             out["buffer_bytes"] = swapper->buffer_bytes();
+             out["bytes_read"] = swapper->bytes_read();
+             out["bytes_written"] = swapper->bytes_written();
+             out["io_wait_seconds"] = swapper->io_wait_seconds();
+             return out;
+           })
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
       .def("comm_stats",
            [](ZeroOptimizer& self) {

@@ -36,6 +36,13 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
   zero["skip_nonfinite_steps"] = options.skip_nonfinite_steps();
   zero["reduce_in_fp32"] = options.reduce_in_fp32();
   zero["sub_group_size"] = options.sub_group_size();
+  py::dict aio;
+  aio["block_size"] = options.aio().block_size();
+  aio["queue_depth"] = options.aio().queue_depth();
+  aio["intra_op_parallelism"] = options.aio().intra_op_parallelism();
+  aio["single_submit"] = options.aio().single_submit();
+  aio["overlap_events"] = options.aio().overlap_events();
+  zero["aio"] = aio;
   for (const auto& [key, offload] :
        {std::pair<const char*, OffloadOptions>{"offload_optimizer", options.offload_optimizer()},
         std::pair<const char*, OffloadOptions>{"offload_param", options.offload_param()}}) {
@@ -46,6 +53,8 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
     section["nvme_path"] = offload.nvme_path();
     if (std::string(key) == "offload_optimizer") {
       section["ratio"] = offload.ratio();
+      section["pipeline_read"] = offload.pipeline_read();
+      section["pipeline_write"] = offload.pipeline_write();
     } else {
       section["buffer_size"] = offload.buffer_size();
       section["max_in_cpu"] = offload.max_in_cpu();
@@ -89,6 +98,7 @@ void bind_engine(py::module_& m) {
       .def_readonly("gradient_clipping", &DeepSpeedConfig::gradient_clipping)
       .def_readonly("steps_per_print", &DeepSpeedConfig::steps_per_print)
       .def_readonly("unsupported", &DeepSpeedConfig::unsupported)
+      .def_readonly("unit_classes", &DeepSpeedConfig::unit_classes)
       .def_property_readonly("fp16", [](const DeepSpeedConfig& c) { return c.fp16.enabled; })
       .def_property_readonly("bf16", [](const DeepSpeedConfig& c) { return c.bf16.enabled; })
       .def_property_readonly(

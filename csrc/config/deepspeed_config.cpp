@@ -33,7 +33,7 @@ using namespace config_detail;  // NOLINT(google-build-using-namespace): this fi
 // checkpoint I/O, data loading, features a model must call itself):
 // accepted and not inspected.
 const Keys kIgnoredTopLevelKeys = {
-    "activation_checkpointing", "aio", "autotuning", "checkpoint", "comet", "comms_logger",
+    "activation_checkpointing", "autotuning", "checkpoint", "comet", "comms_logger",
     "compile", "csv_monitor", "data_types", "dataloader_drop_last", "disable_allgather",
     "disable_python_gc", "dump_state", "flops_profiler", "log_level",
     "managed_gradient_accumulation", "memory_breakdown", "monitor_config", "pipeline",
@@ -53,7 +53,7 @@ const Keys kReadTopLevelKeys = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping",
     "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
-    "steps_per_print", "wall_clock_breakdown", "zeroshard"};
+    "steps_per_print", "wall_clock_breakdown", "zeroshard", "aio"};
 
 Keys top_level_keys() {
   Keys keys = kReadTopLevelKeys;
@@ -108,7 +108,10 @@ const Keys kBf16Keys = {
     "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
     "bf16_optimizer_states"};
 const Keys kOptimizerKeys = {"type", "params", "legacy_fusion"};
-const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file", "on_nonfinite"};
+const Keys kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                       "single_submit", "overlap_events", "use_gds"};
+const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file", "on_nonfinite",
+                              "unit_classes"};
 
 // DeepSpeed's own parameters of FusedAdam/CPUAdam (bias_correction, set_grad_none) and of its
 // Adam selection (torch_adam, adam_w_mode) besides torch.optim.Adam's.
@@ -184,9 +187,10 @@ std::string aliased(const Section& section, const std::string& name, const std::
 }
 
 // DeepSpeed's offload section into OffloadOptions (DeepSpeed's defaults for
-// what the section leaves out). CPU offload is zeroshard's own; NVMe is
-// recorded as unsupported (see [Note: Unsupported settings]) and, if ignored,
-// trains with the state on the device.
+// what the section leaves out, except that the NVMe step pipelines unless
+// pipeline_read/pipeline_write say false). NVMe parameter offload is recorded
+// as unsupported (see [Note: Unsupported settings]) and, if ignored, trains
+// with the shards on the device.
 OffloadOptions read_offload(const Section& zero, const std::string& key, bool pin_default,
                             DeepSpeedConfig& out, OffloadDevice* written) {
   const bool optimizer = key == "offload_optimizer";
@@ -198,8 +202,9 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
   options.buffer_count(s.integer("buffer_count", optimizer ? 4 : 5, 0));
   options.pin_memory(s.boolean("pin_memory", pin_default));
   if (optimizer) {
-    for (const char* flag_key :
-         {"pipeline_read", "pipeline_write", "fast_init", "super_offload", "convert_grad_on_cpu"}) {
+    options.pipeline_read(s.boolean("pipeline_read", true));
+    options.pipeline_write(s.boolean("pipeline_write", true));
+    for (const char* flag_key : {"fast_init", "super_offload", "convert_grad_on_cpu"}) {
       s.boolean(flag_key, false);
     }
     options.ratio(s.number("ratio", 1, 0, 1));
@@ -208,13 +213,15 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     options.buffer_size(s.integer("buffer_size", 100000000, 0));
     options.max_in_cpu(s.integer("max_in_cpu", 1000000000, 0));
   }
-  if (device == "nvme") {
+  if (device == "nvme" && !optimizer) {
     flag(out, s.path("device"), device,
-         optimizer ? "NVMe offload is not implemented yet; ignoring it keeps the optimizer "
-                     "state on the training device, which changes memory use, not results"
-                   : "NVMe offload is not implemented yet; ignoring it keeps the parameter "
-                     "shards on the training device, which changes memory use, not results");
+         "NVMe parameter offload is not implemented yet; ignoring it keeps the parameter "
+         "shards on the training device, which changes memory use, not results");
     return options;  // device none
+  }
+  if (device == "nvme") {
+    TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),
+                      " is needed with device \"nvme\": a directory on the disk to swap to");
   }
   if (device == "cpu" && !optimizer && out.zero_stage != 3) {
     TORCH_CHECK_VALUE(false, s.path("device"),
@@ -489,9 +496,35 @@ DeepSpeedConfig parse_deepspeed_config(const nlohmann::json& config, int64_t wor
   out.steps_per_print = top.integer("steps_per_print", 10, 1);
   out.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
 
+  // DeepSpeed's asynchronous I/O settings, for the NVMe tier.
+  const Section aio = top.section("aio", kAioKeys);
+  AioOptions& io = out.zero.aio();
+  io.block_size(aio.integer("block_size", io.block_size(), 4096));
+  io.queue_depth(aio.integer("queue_depth", io.queue_depth(), 1, 4096));
+  io.intra_op_parallelism(
+      aio.integer(aio.has("intra_op_parallelism") ? "intra_op_parallelism" : "thread_count",
+                  io.intra_op_parallelism(), 1, 256));
+  io.single_submit(aio.boolean("single_submit", io.single_submit()));
+  io.overlap_events(aio.boolean("overlap_events", io.overlap_events()));
+  if (aio.boolean("use_gds", false)) {
+    flag(out, aio.path("use_gds"), true,
+         "GPUDirect Storage is not used; ignoring it reads through host memory");
+  }
+  check_aio_options(io);
+
   const Section zeroshard = top.section("zeroshard", kZeroshardKeys);
   out.ignore_unsupported = zeroshard.boolean("ignore_unsupported", false);
   out.telemetry_file = zeroshard.string("telemetry_file", "");
+  if (const json* classes = zeroshard.find("unit_classes")) {
+    const bool is_list =
+        classes->is_array() && std::all_of(classes->begin(), classes->end(),
+                                           [](const json& item) { return item.is_string(); });
+    TORCH_CHECK_VALUE(is_list, zeroshard.path("unit_classes"),
+                      " must be a list of module class names such as [\"LlamaDecoderLayer\"], "
+                      "got ",
+                      *classes);
+    out.unit_classes = classes->get<std::vector<std::string>>();
+  }
   out.raise_on_nonfinite = zeroshard.choice("on_nonfinite", "skip", {"skip", "raise"}) == "raise";
   TORCH_CHECK_VALUE(!out.raise_on_nonfinite || (out.bf16.enabled && out.bf16.check_grad_overflow),
                     "zeroshard.on_nonfinite applies to bf16 with bf16.check_grad_overflow = true "

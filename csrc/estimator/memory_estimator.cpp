@@ -120,7 +120,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
       bytes = 0;
     }
   };
-  if (options.offload_optimizer() == OffloadDevice::kCPU && stage >= 1) {
+  if (options.offload_optimizer() != OffloadDevice::kNone && stage >= 1) {
     // What OffloadedOptimizerState allocates for one parameter group.
     TORCH_CHECK_VALUE(options.offload_ratio() >= 0 && options.offload_ratio() <= 1,
                       "offload_ratio must be in [0, 1], got ", options.offload_ratio());
@@ -140,8 +140,19 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double per_element = 4 + states;  // fp32 master + moments
     const double staging = std::min(2.0, host_groups) * largest_host * (4 + per.param);
     estimate.optimizer_bytes = per_element * device_elements;
-    estimate.cpu_bytes_per_node +=
-        (per_element * host_elements + staging) * static_cast<double>(options.ranks_per_node());
+    const double ranks = static_cast<double>(options.ranks_per_node());
+    if (options.offload_optimizer() == OffloadDevice::kNVMe) {
+      // NvmeStateSwapper: the state on disk, buffer_count sub-groups of it in
+      // host buffers (slots rounded up to 4 KiB there and on disk: ignored).
+      const double buffers =
+          std::min(static_cast<double>(std::max<int64_t>(1, options.nvme_buffer_count())),
+                   host_groups) *
+          largest_host * per_element;
+      estimate.nvme_bytes_per_node += per_element * host_elements * ranks;
+      estimate.cpu_bytes_per_node += (buffers + staging) * ranks;
+    } else {
+      estimate.cpu_bytes_per_node += (per_element * host_elements + staging) * ranks;
+    }
   } else {
     offload(options.offload_optimizer(), estimate.optimizer_bytes);
   }

@@ -62,9 +62,25 @@ T* at_offset(const at::Tensor& t, int64_t offset) {
 
 OffloadedOptimizerState::OffloadedOptimizerState(const StatePlacement& placement,
                                                  InnerOptimizerKind kind,
-                                                 std::vector<c10::ScalarType> param_dtypes)
+                                                 std::vector<c10::ScalarType> param_dtypes,
+                                                 int64_t rank, const AioOptions& aio,
+                                                 int64_t nvme_states)
     : placement_(placement), kind_(kind), param_dtypes_(std::move(param_dtypes)) {
   groups_.resize(placement_.num_groups());
+  std::vector<int64_t> nvme_numels;
+  for (size_t g = 0; g < placement_.num_groups(); ++g) {
+    first_swap_index_.push_back(nvme_numels.size());
+    for (const SubGroup& where : placement_.sub_groups(g)) {
+      if (where.tier == StateTier::kNVMe) {
+        nvme_numels.push_back(where.numel);
+      }
+    }
+  }
+  if (!nvme_numels.empty()) {
+    TORCH_INTERNAL_ASSERT(nvme_states >= 1, "NVMe sub-groups need their state count");
+    swapper_ = std::make_unique<NvmeStateSwapper>(placement_.offload_optimizer(), aio, rank,
+                                                  std::move(nvme_numels), nvme_states);
+  }
   const int64_t slots = std::min<int64_t>(2, placement_.host_sub_group_count());
   const int64_t numel = placement_.largest_host_sub_group();
   for (int64_t s = 0; s < slots; ++s) {
@@ -77,13 +93,53 @@ OffloadedOptimizerState::OffloadedOptimizerState(const StatePlacement& placement
 void OffloadedOptimizerState::initialize_group(size_t g, const at::Tensor& master) {
   at::NoGradGuard no_grad;
   groups_[g].clear();
+  size_t swap_index = first_swap_index_.at(g);
   for (const SubGroup& where : placement_.sub_groups(g)) {
-    SubGroupState state{where, {}};
+    SubGroupState state{where, {}, 0};
+    if (on_nvme(state)) {
+      state.swap_index = swap_index++;
+      swapper_->write(state.swap_index, 0, 0, master.narrow(0, where.offset, where.numel));
+      for (int64_t slot = 1; slot < swapper_->states_per_sub_group(); ++slot) {
+        swapper_->drop(state.swap_index, slot);
+      }
+      groups_[g].push_back(std::move(state));
+      continue;
+    }
     at::Tensor& values = state.tensors[index_of(OptimizerStateName::kMaster)];
     values = at::empty({where.numel}, placement_.options(where.tier, at::kFloat));
     values.copy_(master.narrow(0, where.offset, where.numel));
     groups_[g].push_back(std::move(state));
   }
+}
+
+bool OffloadedOptimizerState::present(const SubGroupState& state, OptimizerStateName name) const {
+  if (!on_nvme(state)) {
+    return state.tensors[index_of(name)].defined();
+  }
+  const int64_t slot = swap_slot(name);
+  return slot >= 0 && swapper_->present(state.swap_index, slot);
+}
+
+int64_t OffloadedOptimizerState::swap_slot(OptimizerStateName name) const {
+  int64_t slot = -1;
+  switch (name) {
+    case OptimizerStateName::kMaster:
+      slot = 0;
+      break;
+    case OptimizerStateName::kMomentumBuffer:
+      slot = kind_ == InnerOptimizerKind::kSGD ? 1 : -1;
+      break;
+    case OptimizerStateName::kExpAvg:
+      slot = kind_ == InnerOptimizerKind::kSGD ? -1 : 1;
+      break;
+    case OptimizerStateName::kExpAvgSq:
+      slot = kind_ == InnerOptimizerKind::kSGD ? -1 : 2;
+      break;
+    case OptimizerStateName::kMaxExpAvgSq:
+      slot = kind_ == InnerOptimizerKind::kSGD ? -1 : 3;
+      break;
+  }
+  return slot < (swapper_ ? swapper_->states_per_sub_group() : 0) ? slot : -1;
 }
 
 void OffloadedOptimizerState::ensure_moments(size_t g, int64_t state_count) {
@@ -100,6 +156,17 @@ void OffloadedOptimizerState::ensure_moments(size_t g, int64_t state_count) {
   }
   for (auto& state : groups_[g]) {
     for (OptimizerStateName name : names) {
+      if (on_nvme(state)) {
+        const int64_t slot = swap_slot(name);
+        TORCH_CHECK(slot >= 0, "optimizer state '", state_name(name),
+                    "' has no room in the NVMe swap space, which was reserved at construction "
+                    "for the states the hyper-parameters needed then (amsgrad turned on "
+                    "later?); construct the optimizer with the final hyper-parameters");
+        if (!swapper_->present(state.swap_index, slot)) {
+          swapper_->mark_zero(state.swap_index, slot);
+        }
+        continue;
+      }
       at::Tensor& t = state.tensors[index_of(name)];
       if (!t.defined()) {
         t = at::zeros({state.where.numel}, placement_.options(state.where.tier, at::kFloat));
@@ -109,7 +176,7 @@ void OffloadedOptimizerState::ensure_moments(size_t g, int64_t state_count) {
 }
 
 bool OffloadedOptimizerState::has(size_t g, OptimizerStateName name) const {
-  return !groups_[g].empty() && groups_[g][0].tensors[index_of(name)].defined();
+  return !groups_[g].empty() && present(groups_[g][0], name);
 }
 
 template <typename F>
@@ -144,7 +211,10 @@ at::Tensor OffloadedOptimizerState::read(size_t g, OptimizerStateName name, int6
               " does not exist");
   at::Tensor out = at::empty({length}, options.dtype(at::kFloat));
   for_each_piece(g, offset, length, [&](size_t k, int64_t local, int64_t at, int64_t take) {
-    out.narrow(0, at, take).copy_(groups_[g][k].tensors[index_of(name)].narrow(0, local, take));
+    const SubGroupState& state = groups_[g][k];
+    out.narrow(0, at, take)
+        .copy_(on_nvme(state) ? swapper_->read(state.swap_index, swap_slot(name), local, take)
+                              : state.tensors[index_of(name)].narrow(0, local, take));
   });
   return out;
 }
@@ -153,13 +223,27 @@ void OffloadedOptimizerState::write(size_t g, OptimizerStateName name, int64_t o
                                     const at::Tensor& values) {
   at::NoGradGuard no_grad;
   for (auto& state : groups_[g]) {
+    if (on_nvme(state)) {
+      const int64_t slot = swap_slot(name);
+      TORCH_CHECK(slot >= 0, "optimizer state '", state_name(name),
+                  "' has no room in the NVMe swap space reserved at construction");
+      if (!swapper_->present(state.swap_index, slot)) {
+        swapper_->mark_zero(state.swap_index, slot);
+      }
+      continue;
+    }
     at::Tensor& t = state.tensors[index_of(name)];
     if (!t.defined()) {
       t = at::zeros({state.where.numel}, placement_.options(state.where.tier, at::kFloat));
     }
   }
   for_each_piece(g, offset, values.numel(), [&](size_t k, int64_t local, int64_t at, int64_t take) {
-    groups_[g][k].tensors[index_of(name)].narrow(0, local, take).copy_(values.narrow(0, at, take));
+    SubGroupState& state = groups_[g][k];
+    if (on_nvme(state)) {
+      swapper_->write(state.swap_index, swap_slot(name), local, values.narrow(0, at, take));
+    } else {
+      state.tensors[index_of(name)].narrow(0, local, take).copy_(values.narrow(0, at, take));
+    }
   });
 }
 
@@ -194,6 +278,10 @@ int64_t OffloadedOptimizerState::bytes(StateTier tier) const {
       add(staging.grad);
       add(staging.params);
     }
+    total += swapper_ ? swapper_->buffer_bytes() : 0;
+  }
+  if (tier == StateTier::kNVMe && swapper_) {
+    total += swapper_->disk_bytes();
   }
   return total;
 }
@@ -246,12 +334,25 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
         .copy_(grad_shard.narrow(0, where.offset, where.numel), async);
     grad_ready[i % slots].record(device, async);
   };
+  // NVMe sub-groups, in the order they update: see [Note: NVMe step pipeline].
+  std::vector<size_t> swap_order;
+  std::vector<size_t> swap_position(host.size(), 0);
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (on_nvme(sub_groups[host[i]])) {
+      swap_position[i] = swap_order.size();
+      swap_order.push_back(sub_groups[host[i]].swap_index);
+    }
+  }
+  if (!swap_order.empty()) {
+    swapper_->begin(swap_order);
+  }
   fetch_gradient(0);
   for (size_t i = 0; i < host.size(); ++i) {
     SubGroupState& state = sub_groups[host[i]];
     if (i + 1 < host.size()) {
       fetch_gradient(i + 1);  // its slot's previous reader, the kernel of i - 1, is done
     }
+    SwappedIn swapped_in(*this, state, swap_position[i]);
     grad_ready[i % slots].wait();
     params_returned[i % slots].wait();
     const Staging& slot = staging(i % slots, param_dtypes_[g]);
@@ -263,9 +364,60 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
                        slot.params.narrow(0, run.offset - state.where.offset, run.length), async);
     }
     params_returned[i % slots].record(device, async);
+    swapped_in.write_back();
   }
   for (auto& fence : params_returned) {
     fence.wait();
+  }
+  if (!swap_order.empty()) {
+    swapper_->finish();
+  }
+}
+
+// An NVMe sub-group's states bound to its swap buffer for its update; on a
+// host sub-group, nothing. write_back() starts their write; an exception
+// before it leaves the states unbound and the file as it was.
+OffloadedOptimizerState::SwappedIn::SwappedIn(OffloadedOptimizerState& owner, SubGroupState& state,
+                                              size_t position)
+    : owner_(owner), state_(state), position_(position) {
+  if (!owner_.on_nvme(state_)) {
+    return;
+  }
+  active_ = true;
+  const std::vector<at::Tensor> views = owner_.swapper_->acquire(position_);
+  for (size_t k = 0; k < state_.tensors.size(); ++k) {
+    const int64_t slot = owner_.swap_slot(static_cast<OptimizerStateName>(k));
+    if (slot >= 0) {
+      state_.tensors[k] = views[slot];
+    }
+  }
+}
+
+void OffloadedOptimizerState::SwappedIn::write_back() {
+  if (!active_) {
+    return;
+  }
+  std::vector<bool> now_present(owner_.swapper_->states_per_sub_group(), false);
+  for (size_t k = 0; k < state_.tensors.size(); ++k) {
+    const int64_t slot = owner_.swap_slot(static_cast<OptimizerStateName>(k));
+    if (slot >= 0 && state_.tensors[k].defined()) {
+      now_present[slot] = true;
+    }
+  }
+  unbind();
+  owner_.swapper_->release(position_, now_present);
+}
+
+void OffloadedOptimizerState::SwappedIn::unbind() {
+  for (auto& t : state_.tensors) {
+    t.reset();
+  }
+  active_ = false;
+}
+
+OffloadedOptimizerState::SwappedIn::~SwappedIn() {
+  if (active_) {
+    unbind();
   }
 }
 

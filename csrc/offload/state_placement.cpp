@@ -9,7 +9,15 @@
 namespace zeroshard {
 
 const char* state_tier_name(StateTier tier) {
-  return tier == StateTier::kDevice ? "device" : "host";
+  switch (tier) {
+    case StateTier::kDevice:
+      return "device";
+    case StateTier::kHost:
+      return "host";
+    case StateTier::kNVMe:
+      return "nvme";
+  }
+  return "unknown";
 }
 
 StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t sub_group_size,
@@ -30,6 +38,8 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
   if (!offload_optimizer_.enabled()) {
     return;
   }
+  offload_tier_ =
+      offload_optimizer_.device() == OffloadDevice::kNVMe ? StateTier::kNVMe : StateTier::kHost;
   // The first (1 - ratio) of the sub-groups stay on the device.
   const auto on_device =
       static_cast<int64_t>(std::floor((1.0 - offload_optimizer_.ratio()) * total + 1e-9));
@@ -37,7 +47,7 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
   for (auto& group : sub_groups_) {
     for (auto& sub_group : group) {
       if (index++ >= on_device) {
-        sub_group.tier = StateTier::kHost;
+        sub_group.tier = offload_tier_;
         largest_host_ = std::max(largest_host_, sub_group.numel);
         ++host_count_;
       }
@@ -47,7 +57,7 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
 
 bool StatePlacement::pinned(StateTier tier, bool for_parameters) const {
   const OffloadOptions& offload = for_parameters ? offload_param_ : offload_optimizer_;
-  return tier == StateTier::kHost && offload.pin_memory() && device_.is_cuda();
+  return tier != StateTier::kDevice && offload.pin_memory() && device_.is_cuda();
 }
 
 at::TensorOptions StatePlacement::options(StateTier tier, c10::ScalarType dtype,

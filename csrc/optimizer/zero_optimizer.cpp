@@ -1,5 +1,7 @@
 #include "zeroshard/zero_optimizer.h"
 
+#include "../checkpoint/checkpoint_detail.h"
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
@@ -9,6 +11,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <cmath>
+#include <exception>
 #include <unordered_map>
 
 namespace zeroshard {
@@ -145,7 +148,29 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     for (const auto& options : param_options) {
       dtypes.push_back(c10::typeMetaToScalarType(options.dtype()));
     }
-    offloaded_ = std::make_unique<OffloadedOptimizerState>(*placement_, inner_kind_, dtypes);
+    int64_t nvme_states = 0;  // the master plus the most moments a group needs
+    for (const auto& group : param_groups_) {
+      nvme_states = std::max(nvme_states, 1 + optimizer_state_count(inner_kind_, group.options()));
+    }
+    // A rank that cannot reserve its swap space (path, permissions, free
+    // space) fails here; every rank raises its message instead of hanging.
+    std::string error;
+    std::exception_ptr failure;
+    try {
+      offloaded_ = std::make_unique<OffloadedOptimizerState>(
+          *placement_, inner_kind_, dtypes, comm_->rank(), options_.aio(), nvme_states);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+      failure = std::current_exception();
+    } catch (const std::exception& e) {
+      error = e.what();
+      failure = std::current_exception();
+    }
+    if (placement_->offload_tier() == StateTier::kNVMe) {
+      checkpoint_detail::agree_on_errors(*comm_, error, "set up the NVMe swap space:", device_);
+    } else if (failure) {
+      std::rethrow_exception(failure);
+    }
   }
   build_group_shards();
   GradientBuckets::BucketComplete on_complete;
@@ -491,6 +516,8 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
 }
 
 void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
+  const bool nvme = placement_->offload_tier() == StateTier::kNVMe && offloaded_;
+  std::string nvme_error;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupShards& shard = shards_[g];
     const auto& group_options = param_groups_[g].options();
@@ -545,13 +572,34 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
                      slice(shard.momentum_buffer)};
       apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
     }
-    if (offloaded_) {
-      offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
-                       options_.fused(),
-                       [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
-                         write_parameter_values(group, offset, values, async);
-                       });
+    if (offloaded_ && nvme_error.empty()) {
+      auto write = [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
+        write_parameter_values(group, offset, values, async);
+      };
+      if (!nvme) {
+        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
+                         options_.fused(), write);
+        continue;
+      }
+      try {
+        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
+                         options_.fused(), write);
+      } catch (const c10::Error& e) {
+        nvme_error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        nvme_error = e.what();
+      }
     }
+  }
+  if (nvme) {
+    // An I/O failure on one rank (a damaged swap file, a failing disk) is
+    // raised by every rank here, instead of leaving the others to hang in the
+    // next collective.
+    checkpoint_detail::agree_on_errors(
+        *comm_, nvme_error,
+        "update the optimizer state on NVMe (this step is incomplete; resume from the last "
+        "checkpoint):",
+        device_);
   }
 }
 

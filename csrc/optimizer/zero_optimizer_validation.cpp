@@ -37,14 +37,20 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                     "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
   TORCH_CHECK_VALUE(options.sub_group_size() > 0, "sub_group_size must be > 0 elements, got ",
                     options.sub_group_size());
+  check_aio_options(options.aio());
   const std::pair<const char*, const OffloadOptions*> offloads[] = {
       {"offload_optimizer", &options.offload_optimizer()},
       {"offload_param", &options.offload_param()}};
   for (const auto& [which, offload_ptr] : offloads) {
     const OffloadOptions& offload = *offload_ptr;
-    TORCH_CHECK_VALUE(offload.device() != OffloadDevice::kNVMe, which,
-                      ".device = 'nvme' is not supported yet by zeroshard; use 'cpu' (host "
-                      "memory) or 'none'");
+    const bool parameters = std::string(which) == "offload_param";
+    TORCH_CHECK_VALUE(!parameters || offload.device() != OffloadDevice::kNVMe,
+                      "offload_param.device = 'nvme' is not supported yet by zeroshard (parameter "
+                      "shards go to host memory with 'cpu'; the optimizer state can go to NVMe "
+                      "with offload_optimizer.device = 'nvme')");
+    TORCH_CHECK_VALUE(offload.device() != OffloadDevice::kNVMe || !offload.nvme_path().empty(),
+                      which,
+                      ".device = 'nvme' needs nvme_path: a directory on the disk to swap to");
     TORCH_CHECK_VALUE(offload.ratio() >= 0 && offload.ratio() <= 1, which,
                       ".ratio must be in [0, 1] (the fraction of the optimizer state offloaded), "
                       "got ",

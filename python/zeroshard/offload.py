@@ -22,7 +22,16 @@ _OPTIMIZER_KEYS = {
     "fast_init",
 }
 _PARAM_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"}
-_IGNORED = {"pipeline_read", "pipeline_write", "fast_init"}  # I/O tuning of DeepSpeed's NVMe path
+_IGNORED = {"fast_init"}  # DeepSpeed's NVMe initialization shortcut
+_AIO_KEYS = {
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "thread_count",
+    "single_submit",
+    "overlap_events",
+    "use_io_uring",
+}
 
 
 def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[str, Any]:
@@ -55,7 +64,7 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
             continue
         if key == "device":
             out[key] = "none" if item is None else str(item)
-        elif key == "pin_memory":
+        elif key in ("pin_memory", "pipeline_read", "pipeline_write"):
             out[key] = bool(item)
         elif key == "ratio":
             out[key] = float(item)
@@ -65,3 +74,22 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
             out[key] = int(item)
     out.setdefault("device", "none")
     return out
+
+
+def aio_options(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Normalises ``aio=`` (DeepSpeed's ``aio`` section) to the core's keys.
+
+    Raises:
+        TypeError: for a value that is not a mapping, or an unknown key.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"aio must be a dict of DeepSpeed's aio keys; got {type(value).__name__}")
+    unknown = set(value) - _AIO_KEYS
+    if unknown:
+        raise TypeError(f"unknown aio key(s) {sorted(unknown)}; expected {sorted(_AIO_KEYS)}")
+    return {
+        key: bool(item) if key in ("single_submit", "overlap_events", "use_io_uring") else int(item)
+        for key, item in value.items()
+    }

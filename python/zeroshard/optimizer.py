@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C
-from zeroshard.offload import offload_options
+from zeroshard.offload import aio_options, offload_options
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.units import materialize, plan_units, register_hooks
 
@@ -131,14 +131,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard from backward to the step. Off by default.
         offload_optimizer: where the optimizer state (fp32 master, moments)
             and the step live: ``"cpu"`` or DeepSpeed's section as a dict
-            (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``); None or
-            ``"none"`` keeps them on the device. Any stage.
+            (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``, or
+            ``{"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4}``
+            for a swap file per rank, read and written sub-group by sub-group);
+            None or ``"none"`` keeps them on the device. Any stage.
         offload_param: stage 3: parameter shards in host memory, copied to the
             device ahead of each unit's all-gather (``"cpu"`` or a dict with
             DeepSpeed's offload_param keys).
         sub_group_size: elements per optimizer sub-group (DeepSpeed's key):
             with offload the step runs sub-group by sub-group, and host
             staging buffers are one sub-group in size.
+        aio: NVMe I/O settings, DeepSpeed's ``aio`` section (``block_size``,
+            ``queue_depth``, ``intra_op_parallelism``, ``single_submit``,
+            ``overlap_events``) plus ``use_io_uring`` (False: the thread pool).
         failure_report_seconds: when a collective fails (a rank was killed or
             stalls past the process group's timeout), how long this rank waits
             for the others to report the failure through the group's store;
@@ -193,6 +198,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_optimizer: str | Mapping[str, Any] | None = None,
         offload_param: str | Mapping[str, Any] | None = None,
         sub_group_size: int = 1_000_000_000,
+        aio: Mapping[str, Any] | None = None,
         failure_report_seconds: float = 3.0,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -256,6 +262,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),
             "offload_param": offload_options(offload_param, "offload_param"),
             "sub_group_size": int(sub_group_size),
+            "aio": aio_options(aio),
             "materialize_device": str(torch.device(materialize_device)),
         }
         self._impl = _C.ZeroOptimizer(
@@ -281,7 +288,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 materialize(self._impl, module, self.param_groups, param_init_fn)
                 units = plan_units(module, unit_classes)  # now over the real parameters
                 self._units = units
-            self._hook_handles = register_hooks(self._impl, units)
+            self._hook_handles = register_hooks(self._impl, units, module)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         keys = _DEFAULTS[self._kind]
@@ -508,6 +515,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def host_model_state_bytes(self) -> int:
         """Bytes of model state offloaded to host memory (state, staging, parameter shards)."""
         return int(self._impl.host_model_state_bytes())
+
+    def nvme_stats(self) -> dict[str, Any] | None:
+        """With ``offload_optimizer`` on NVMe, the swap space since construction:
+        ``backend`` (``"io_uring"`` or ``"thread pool"``), ``directory``,
+        ``disk_bytes`` reserved, ``buffer_bytes`` of host buffers,
+        ``bytes_read``, ``bytes_written`` and ``io_wait_seconds`` (time the
+        step waited for I/O); None without NVMe offload."""
+        return self._impl.nvme_stats()
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (fp32 master + inner state)."""

@@ -292,20 +292,19 @@ TEST(DeepSpeedConfigTest, RecognisedButUnimplementedSettingsAreListed) {
                 {"reduce_scatter", false},
                 {"zero_hpz_partition_size", 8},
                 {"zero_quantized_gradients", true},
-                {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/local_nvme"}}}}},
+                {"offload_param", {{"device", "nvme"}, {"nvme_path", "/local_nvme"}}}}},
               {"amp", {{"enabled", true}, {"opt_level", "O1"}}},
               {"tensorboard", {{"enabled", true}}}}),
       1);
-  EXPECT_EQ(config.offload_optimizer, OffloadDevice::kNVMe);
-  EXPECT_FALSE(config.zero.offload_optimizer().enabled()) << "ignored NVMe trains on the device";
+  EXPECT_EQ(config.offload_param, OffloadDevice::kNVMe);
+  EXPECT_FALSE(config.zero.offload_param().enabled()) << "ignored NVMe trains on the device";
   ASSERT_EQ(config.unsupported.size(), 5u);
   const std::string error = ErrorOf([&] { check_supported(config); });
-  for (const char* text :
-       {"zero_optimization.offload_optimizer.device = \"nvme\" is not supported yet",
-        "zero_optimization.reduce_scatter = false is not supported yet",
-        "zero_optimization.zero_hpz_partition_size = 8 is not supported yet",
-        "zero_optimization.zero_quantized_gradients = true is not supported yet",
-        "amp = {\"enabled\":true,\"opt_level\":\"O1\"} is not supported yet"}) {
+  for (const char* text : {"zero_optimization.offload_param.device = \"nvme\" is not supported yet",
+                           "zero_optimization.reduce_scatter = false is not supported yet",
+                           "zero_optimization.zero_hpz_partition_size = 8 is not supported yet",
+                           "zero_optimization.zero_quantized_gradients = true is not supported yet",
+                           "amp = {\"enabled\":true,\"opt_level\":\"O1\"} is not supported yet"}) {
     EXPECT_ERROR_HAS(error, text);
   }
   // Logging features cannot change what is trained: accepted silently.
@@ -586,6 +585,43 @@ TEST(DeepSpeedConfigTest, ZeroshardSectionAndLoggingKeys) {
   const auto lossy = parse_deepspeed_config(
       Config({{"communication_data_type", "bf16"}, {"gradient_predivide_factor", 2.0}}), 1);
   EXPECT_EQ(lossy.unsupported.size(), 2u);
+}
+
+TEST(DeepSpeedConfigTest, NvmeOptimizerOffloadAndTheAioSectionAreRead) {
+  const auto config = parse_deepspeed_config(Config({{"zero_optimization",
+                                                      {{"stage", 2},
+                                                       {"offload_optimizer",
+                                                        {{"device", "nvme"},
+                                                         {"nvme_path", "/local_nvme"},
+                                                         {"buffer_count", 6},
+                                                         {"pipeline_read", false}}}}},
+                                                     {"aio",
+                                                      {{"block_size", 262144},
+                                                       {"queue_depth", 16},
+                                                       {"thread_count", 3},
+                                                       {"single_submit", true},
+                                                       {"overlap_events", false}}}}),
+                                             1);
+  const OffloadOptions& offload = config.zero.offload_optimizer();
+  EXPECT_EQ(offload.device(), OffloadDevice::kNVMe);
+  EXPECT_EQ(offload.nvme_path(), "/local_nvme");
+  EXPECT_EQ(offload.buffer_count(), 6);
+  EXPECT_FALSE(offload.pipeline_read());
+  EXPECT_TRUE(offload.pipeline_write()) << "zeroshard pipelines unless told not to";
+  EXPECT_TRUE(config.unsupported.empty());
+  const AioOptions& aio = config.zero.aio();
+  EXPECT_EQ(aio.block_size(), 262144);
+  EXPECT_EQ(aio.queue_depth(), 16);
+  EXPECT_EQ(aio.intra_op_parallelism(), 3);
+  EXPECT_TRUE(aio.single_submit());
+  EXPECT_FALSE(aio.overlap_events());
+
+  EXPECT_ERROR_HAS(
+      ParseError(Config({{"zero_optimization", {{"offload_optimizer", {{"device", "nvme"}}}}}})),
+      "zero_optimization.offload_optimizer.nvme_path is needed with device \"nvme\"");
+  EXPECT_ERROR_HAS(ParseError(Config({{"aio", {{"block_size", 1000}}}})),
+                   "aio.block_size must be an integer >= 4096");
+  EXPECT_ERROR_HAS(ParseError(Config({{"aio", {{"queue_dept", 4}}}})), "queue_depth");
 }
 
 }  // namespace

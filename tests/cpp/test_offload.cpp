@@ -7,6 +7,7 @@
 
 #ifdef ZEROSHARD_WITH_GLOO
 #include "rank_threads.h"
+#include "temp_directory.h"
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -110,6 +111,7 @@ struct Case {
   int64_t sub_group_size;
   double ratio;
   double max_norm;
+  OffloadDevice device = OffloadDevice::kCPU;
 };
 
 class OffloadTest : public ::testing::TestWithParam<int> {};
@@ -120,8 +122,13 @@ TEST_P(OffloadTest, MatchesLibTorchAtEveryStageSubGroupSizeAndRatio) {
   auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   for (const torch::optim::OptimizerOptions* options :
        std::initializer_list<const torch::optim::OptimizerOptions*>{&adamw, &sgd}) {
-    for (const Case& c : {Case{1, 1000000000, 1.0, 0}, Case{2, 9, 1.0, 0.3}, Case{2, 9, 0.5, 0},
-                          Case{3, 9, 1.0, 0.3}}) {
+    for (const Case& c :
+         {Case{1, 1000000000, 1.0, 0}, Case{2, 9, 1.0, 0.3}, Case{2, 9, 0.5, 0},
+          Case{3, 9, 1.0, 0.3}, Case{1, 7, 1.0, 0, OffloadDevice::kNVMe},
+          Case{2, 9, 0.5, 0.3, OffloadDevice::kNVMe}, Case{3, 9, 1.0, 0.3, OffloadDevice::kNVMe}}) {
+      TempDirectory swap;
+      const OffloadOptions offload =
+          OffloadOptions().device(c.device).ratio(c.ratio).nvme_path(swap.path());
       const auto expected = TrainReference(*options, c.max_norm);
       std::vector<double> diffs(world, -1);
       std::vector<int64_t> host_bytes(world, -1);
@@ -140,7 +147,7 @@ TEST_P(OffloadTest, MatchesLibTorchAtEveryStageSubGroupSizeAndRatio) {
                                     .max_norm(c.max_norm)
                                     .stage3_param_persistence_threshold(0)
                                     .sub_group_size(c.sub_group_size)
-                                    .offload_optimizer(Cpu().ratio(c.ratio)),
+                                    .offload_optimizer(offload),
                                 units);
         const int64_t per_rank = kGlobalBatch / world;
         for (int step = 0; step < kSteps; ++step) {
@@ -169,10 +176,12 @@ TEST_P(OffloadTest, MatchesLibTorchAtEveryStageSubGroupSizeAndRatio) {
       for (int rank = 0; rank < world; ++rank) {
         EXPECT_EQ(errors[rank], "") << "rank " << rank;
         EXPECT_GE(diffs[rank], 0.0);
-        EXPECT_LE(diffs[rank], 1e-6) << "stage " << c.stage << " sub-group " << c.sub_group_size
-                                     << " ratio " << c.ratio << " world " << world;
+        EXPECT_LE(diffs[rank], 1e-6)
+            << "stage " << c.stage << " sub-group " << c.sub_group_size << " ratio " << c.ratio
+            << " world " << world << " " << offload_device_name(c.device);
         EXPECT_GT(host_bytes[rank], 0) << "state was offloaded";
       }
+      EXPECT_TRUE(swap.empty()) << "the swap space outlived the optimizer";
     }
   }
 }
@@ -185,7 +194,12 @@ TEST_P(OffloadTest, BadOffloadSettingsFailOnEveryRankNamingTheSetting) {
       {ZeroOptions().offload_optimizer(Cpu().ratio(1.5)), "offload_optimizer.ratio must be in"},
       {ZeroOptions().sub_group_size(0), "sub_group_size must be > 0"},
       {ZeroOptions().offload_optimizer(OffloadOptions().device(OffloadDevice::kNVMe)),
-       "'nvme' is not supported yet"},
+       "offload_optimizer.device = 'nvme' needs nvme_path"},
+      {ZeroOptions().offload_optimizer(
+           OffloadOptions().device(OffloadDevice::kNVMe).nvme_path("/nonexistent/zeroshard")),
+       "nvme_path '/nonexistent/zeroshard' is not an existing directory"},
+      {ZeroOptions().stage(3).offload_param(OffloadOptions().device(OffloadDevice::kNVMe)),
+       "offload_param.device = 'nvme' is not supported yet"},
   };
   for (const auto& [options, message] : cases) {
     auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {

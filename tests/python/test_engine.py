@@ -258,9 +258,13 @@ CONFIG_ERRORS = {
         {**_BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 10}},
         'did you mean "stage3_prefetch_bucket_size"?',
     ),
-    "nvme_offload_not_supported_yet": (
-        {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+    "nvme_param_offload_not_supported_yet": (
+        {**_BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
         "not supported yet",
+    ),
+    "nvme_offload_needs_a_path": (
+        {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+        'zero_optimization.offload_optimizer.nvme_path is needed with device "nvme"',
     ),
     "param_offload_below_stage3": (
         {**_BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},

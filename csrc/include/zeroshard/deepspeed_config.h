@@ -129,6 +129,10 @@ struct DeepSpeedConfig {
   // bf16 with check_grad_overflow: "zeroshard": {"on_nonfinite": "raise"} makes a
   // step with inf/NaN gradients an error on every rank instead of a skip.
   bool raise_on_nonfinite = false;
+  // Stage 3 wrap policy by class name ("zeroshard": {"unit_classes": ["Block"]}), resolved
+  // against the model's module classes by the Python engine; C++ models mark their units with
+  // make_unit (unit_module.h). Empty: the default policy.
+  std::vector<std::string> unit_classes;
 
   // One line per setting zeroshard does not implement yet, e.g.
   //   zero_optimization.offload_optimizer.device = "nvme" is not supported yet by zeroshard (...)

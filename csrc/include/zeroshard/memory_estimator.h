@@ -38,6 +38,9 @@ struct EstimateOptions {
   // staging buffers.
   TORCH_ARG(double, offload_ratio) = 1.0;
   TORCH_ARG(double, sub_group_size) = 1e9;
+  // NVMe optimizer offload: host buffers, each one sub-group's master and
+  // moments (offload_optimizer.buffer_count).
+  TORCH_ARG(int64_t, nvme_buffer_count) = 4;
 };
 
 // Bytes per rank unless named per node.
@@ -52,7 +55,8 @@ struct MemoryEstimate {
   // the fp32 master (a copy of its own even for fp32 parameters) and moments
   // of the offloaded sub-groups, plus the staging buffers of the offloaded
   // step (the gradient in fp32 and the returning parameters, one or two
-  // sub-groups of each).
+  // sub-groups of each). For NVMe optimizer offload: the staging buffers and
+  // buffer_count sub-groups' master and moments.
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };

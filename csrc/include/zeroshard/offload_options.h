@@ -29,12 +29,18 @@ struct OffloadOptions {
   // first (1 - ratio) of them (rounded down) stay on the device.
   TORCH_ARG(double, ratio) = 1.0;
   // NVMe only (DeepSpeed's meaning; accepted and unused for "cpu"): I/O
-  // buffers, their size (offload_param) and the parameter elements kept in
-  // CPU memory (offload_param.max_in_cpu).
+  // buffers (offload_optimizer: sub-groups resident in host memory during the
+  // step), their size (offload_param) and the parameter elements kept in CPU
+  // memory (offload_param.max_in_cpu).
   TORCH_ARG(int64_t, buffer_count) = 4;
   TORCH_ARG(int64_t, buffer_size) = 100000000;
   TORCH_ARG(int64_t, max_in_cpu) = 1000000000;
   TORCH_ARG(std::string, nvme_path) = "";
+  // offload_optimizer on NVMe: read the next sub-groups while one updates,
+  // and let its write drain during the next ones (see [Note: NVMe step
+  // pipeline] in nvme_state_swapper.h). On by default, unlike DeepSpeed.
+  TORCH_ARG(bool, pipeline_read) = true;
+  TORCH_ARG(bool, pipeline_write) = true;
 
  public:
   bool enabled() const { return device_ != OffloadDevice::kNone; }

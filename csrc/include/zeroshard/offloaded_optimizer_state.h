@@ -9,10 +9,12 @@
 // that goes back to the device. Two buffers of each kind alternate, so on
 // CUDA with pinned memory the copies of one sub-group overlap the update of
 // the next. Sub-groups that stay on the device (ratio < 1) run the ATen path
-// of inner_optimizer.h instead.
+// of inner_optimizer.h instead. Sub-groups on NVMe run the same host kernel on
+// states the NvmeStateSwapper brings in and writes back around each update.
 #pragma once
 
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/nvme_state_swapper.h"
 #include "zeroshard/state_placement.h"
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace zeroshard {
@@ -35,8 +38,11 @@ class OffloadedOptimizerState {
   using WriteParameters =
       std::function<void(size_t group, int64_t offset, const at::Tensor& values, bool async)>;
 
+  // With NVMe sub-groups, `nvme_states` (the master plus the most moments
+  // any group uses) slots are reserved per sub-group in `rank`'s swap file.
   OffloadedOptimizerState(const StatePlacement& placement, InnerOptimizerKind kind,
-                          std::vector<c10::ScalarType> param_dtypes);
+                          std::vector<c10::ScalarType> param_dtypes, int64_t rank = 0,
+                          const AioOptions& aio = AioOptions(), int64_t nvme_states = 0);
 
   // Allocates group `group`'s state: the master from `master` (1D fp32, the
   // whole shard, any device) and `state_count` zeroed moments
@@ -66,13 +72,19 @@ class OffloadedOptimizerState {
             const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
             bool fused, const WriteParameters& write_parameters);
 
-  // Bytes held on a tier: state plus staging buffers.
+  // Bytes held on a tier: state plus staging buffers (kNVMe: the swap file;
+  // its host buffers count as kHost).
   int64_t bytes(StateTier tier) const;
+  // The NVMe tier's swapper (telemetry), or null.
+  const NvmeStateSwapper* nvme() const { return swapper_.get(); }
 
  private:
   struct SubGroupState {
     SubGroup where;
-    std::array<at::Tensor, 5> tensors;  // by OptimizerStateName
+    // By OptimizerStateName. NVMe sub-groups: views of a swap buffer during
+    // their update only; undefined otherwise.
+    std::array<at::Tensor, 5> tensors;
+    size_t swap_index = 0;  // NVMe: the sub-group's index in the swapper
   };
   struct Staging {
     at::Tensor grad;    // fp32
@@ -89,12 +101,33 @@ class OffloadedOptimizerState {
   void run_host_kernel(SubGroupState& state, const torch::optim::OptimizerOptions& options,
                        const UpdateRun& run, const Staging& staging, float grad_scale) const;
   Staging& staging(size_t slot, c10::ScalarType param_dtype);
+  class SwappedIn {
+   public:
+    SwappedIn(OffloadedOptimizerState& owner, SubGroupState& state, size_t position);
+    ~SwappedIn();
+    SwappedIn(const SwappedIn&) = delete;
+    SwappedIn& operator=(const SwappedIn&) = delete;
+    void write_back();
+
+   private:
+    void unbind();
+    OffloadedOptimizerState& owner_;
+    SubGroupState& state_;
+    size_t position_;
+    bool active_ = false;
+  };
+  bool on_nvme(const SubGroupState& state) const { return state.where.tier == StateTier::kNVMe; }
+  bool present(const SubGroupState& state, OptimizerStateName name) const;
+  // The swap slot of a state (the master is slot 0).
+  int64_t swap_slot(OptimizerStateName name) const;
 
   const StatePlacement& placement_;
   InnerOptimizerKind kind_;
   std::vector<c10::ScalarType> param_dtypes_;
   std::vector<std::vector<SubGroupState>> groups_;
   std::vector<Staging> staging_;  // two slots, or one with a single host sub-group
+  std::unique_ptr<NvmeStateSwapper> swapper_;
+  std::vector<size_t> first_swap_index_;  // per group: its first NVMe sub-group's swap index
 };
 
 }  // namespace zeroshard

@@ -5,9 +5,9 @@
 // (DeepSpeed's sub_group_size); each sub-group's optimizer state (fp32
 // master and moments) lives on one tier. With offload_optimizer the first
 // (1 - ratio) of all sub-groups, in group order and rounded down, stay on
-// the device and the rest go to the host. Stage 3 parameter shards live on
-// the host with offload_param, on the device otherwise. NVMe will be a third
-// tier behind the host.
+// the device and the rest go to the host, or with device 'nvme' to the
+// swap file (nvme_state_swapper.h), through host buffers. Stage 3 parameter
+// shards live on the host with offload_param, on the device otherwise.
 //
 // Pure bookkeeping plus allocation: knows nothing of optimizers or ranks.
 #pragma once
@@ -23,7 +23,7 @@
 
 namespace zeroshard {
 
-enum class StateTier { kDevice, kHost };
+enum class StateTier { kDevice, kHost, kNVMe };
 const char* state_tier_name(StateTier tier);
 
 // A contiguous range of one group's shard (shard coordinates).
@@ -43,13 +43,16 @@ class StatePlacement {
                  c10::Device device);
 
   bool offloads_optimizer() const { return offload_optimizer_.enabled(); }
+  const OffloadOptions& offload_optimizer() const { return offload_optimizer_; }
   bool offloads_parameters() const { return offload_param_.enabled(); }
   const std::vector<SubGroup>& sub_groups(size_t group) const { return sub_groups_.at(group); }
   size_t num_groups() const { return sub_groups_.size(); }
-  // Largest host sub-group, in elements (0 when none): the size of the
-  // host staging buffers.
+  // Largest offloaded (host or NVMe) sub-group, in elements (0 when none):
+  // the size of the host staging buffers; and how many there are.
   int64_t largest_host_sub_group() const { return largest_host_; }
   int64_t host_sub_group_count() const { return host_count_; }
+  // The tier of offloaded sub-groups: kHost, or kNVMe for device 'nvme'.
+  StateTier offload_tier() const { return offload_tier_; }
   StateTier parameter_tier() const {
     return offloads_parameters() ? StateTier::kHost : StateTier::kDevice;
   }
@@ -57,6 +60,8 @@ class StatePlacement {
   c10::Device device() const { return device_; }
   // Host buffers are pinned when copies to the device can be asynchronous.
   bool pinned(StateTier tier, bool for_parameters) const;
+  // Where tensors of `tier` are allocated (NVMe states pass through host
+  // memory, so kNVMe gives the host's).
   at::TensorOptions options(StateTier tier, c10::ScalarType dtype,
                             bool for_parameters = false) const;
   // Whether copies between `tier` and the device may be non-blocking.
@@ -71,6 +76,7 @@ class StatePlacement {
   std::vector<std::vector<SubGroup>> sub_groups_;
   int64_t largest_host_ = 0;
   int64_t host_count_ = 0;
+  StateTier offload_tier_ = StateTier::kHost;
 };
 
 }  // namespace zeroshard

@@ -126,6 +126,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   int64_t host_model_state_bytes() const;
   // Where each sub-group's state lives (see state_placement.h).
   const StatePlacement& placement() const { return *placement_; }
+  // With offload_optimizer on NVMe: the swap space's telemetry; else null.
+  const NvmeStateSwapper* nvme_swapper() const { return offloaded_ ? offloaded_->nvme() : nullptr; }
 
   // This rank's shard of the optimizer state plus the layout it was made
   // with. Load it back with load_shard_state at the same world size.

@@ -4,6 +4,7 @@
 // (torch::optim::AdamWOptions, AdamOptions, SGDOptions).
 #pragma once
 
+#include "zeroshard/io_engine.h"
 #include "zeroshard/offload_options.h"
 
 #include <c10/core/Device.h>
@@ -67,6 +68,8 @@ struct ZeroOptions {
   // host overlap the update of the previous one and host buffers stay one
   // sub-group in size.
   TORCH_ARG(int64_t, sub_group_size) = 1000000000;
+  // The NVMe tier's I/O (DeepSpeed's "aio" section; see io_engine.h).
+  TORCH_ARG(AioOptions, aio);
 
   // Stage 3 (DeepSpeed's keys and defaults). Elements of parameters the
   // prefetch may gather ahead of the unit running now.

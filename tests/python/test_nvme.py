@@ -1,0 +1,361 @@
+"""NVMe optimizer offload (ZeRO-Infinity's optimizer tier) against single-process torch.optim.
+
+The fp32 master and moments of every offloaded sub-group live in a swap file
+per rank under ``nvme_path`` and come into host memory ``buffer_count``
+sub-groups at a time. ``sub_group_size`` is small here so that every step
+pipelines several sub-groups (read ahead, update, write behind). The host
+kernel is the one CPU offload uses, so the bound is the same as there.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+
+from dist_harness import run_ranks, unwrap
+from test_offload import _max_diff, _resume, _train, reference
+
+TOLERANCE = 1e-6  # as tests/python/test_offload.py: measured ~1e-7
+
+
+def _nvme(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"device": "nvme", "nvme_path": str(path), **extra}
+
+
+def _train_and_inspect(
+    rank: int, world_size: int, stage: int, kwargs: dict[str, Any], *args: Any
+) -> dict[str, Any]:
+    """_train, plus the swap space's telemetry and whether it is removed afterwards."""
+    seen: dict[str, Any] = {}
+    original = zeroshard.ZeroOptimizer.step
+
+    def step(self: zeroshard.ZeroOptimizer, *a: Any, **k: Any) -> Any:
+        result = original(self, *a, **k)
+        seen["stats"] = self.nvme_stats()
+        return result
+
+    zeroshard.ZeroOptimizer.step = step  # type: ignore[method-assign]
+    try:
+        result = _train(rank, world_size, stage, kwargs, *args)
+    finally:
+        zeroshard.ZeroOptimizer.step = original  # type: ignore[method-assign]
+    gc.collect()
+    result["stats"] = seen["stats"]
+    result["directory_left"] = os.path.exists(seen["stats"]["directory"])
+    return result
+
+
+# name: (stage, ZeroOptimizer offload kwargs without the path, micro-batches, max_norm)
+CASES: dict[str, tuple[int, dict[str, Any], int, float | None]] = {
+    "stage1": (1, {"sub_group_size": 23}, 1, None),
+    "stage2_clip_accumulate": (2, {"sub_group_size": 11}, 2, 0.5),
+    "stage2_two_buffers_no_pipeline_write": (
+        2,
+        {"sub_group_size": 11, "buffer_count": 2, "pipeline_write": False},
+        1,
+        None,
+    ),
+    "stage2_one_buffer_no_pipeline": (
+        2,
+        {"sub_group_size": 17, "buffer_count": 1, "pipeline_read": False},
+        1,
+        None,
+    ),
+    "stage2_thread_pool_partial_ratio": (
+        2,
+        {"sub_group_size": 11, "ratio": 0.5, "aio": {"use_io_uring": False, "thread_count": 2}},
+        1,
+        0.5,
+    ),
+    "stage3_params_on_cpu": (3, {"sub_group_size": 13, "offload_param": "cpu"}, 2, 0.5),
+}
+
+
+def _kwargs(path: Path, offload: dict[str, Any]) -> dict[str, Any]:
+    offload = dict(offload)
+    out: dict[str, Any] = {}
+    for key in ("sub_group_size", "offload_param", "aio"):
+        if key in offload:
+            out[key] = offload.pop(key)
+    out["offload_optimizer"] = _nvme(path, **offload)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_nvme_offload_matches_torch_optim(name: str, tmp_path: Path) -> None:
+    stage, offload, accumulation, max_norm = CASES[name]
+    kwargs = _kwargs(tmp_path, offload)
+    expected = reference(accumulation, max_norm)
+    results = unwrap(
+        run_ranks(
+            2,
+            _train_and_inspect,
+            stage,
+            kwargs,
+            accumulation,
+            max_norm,
+            torch.float32,
+        )
+    )
+    for rank, result in enumerate(results):
+        diff = _max_diff(result["params"], expected)
+        stats = result["stats"]
+        print(f"{name} rank {rank}: max abs diff {diff:.3e}; swap {stats}")
+        assert diff <= TOLERANCE, (name, rank, diff)
+        # Every step reads the sub-groups it updates and writes them back; the
+        # model has a parameter never used and one used on some steps only,
+        # whose sub-groups skip steps, so most (not all) of the state moves
+        # at each of the 10 steps.
+        assert stats["bytes_read"] >= 0.8 * 10 * stats["disk_bytes"]
+        assert stats["bytes_written"] >= stats["bytes_read"]
+        thread_pool = "thread_pool" in name or not zeroshard._C.io_uring_available()
+        assert stats["backend"] == ("thread pool" if thread_pool else "io_uring")
+        assert not result["directory_left"], "the swap directory outlived the optimizer"
+    assert _max_diff(results[0]["master"], expected) <= TOLERANCE
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_nvme_offload_matches_bf16_without_offload(tmp_path: Path) -> None:
+    # As test_offload's bf16 test: the same fp32 master math, so an ulp of the
+    # master at most, which flips a bf16 rounding now and then.
+    kwargs = _kwargs(tmp_path, {"sub_group_size": 11})
+    plain = unwrap(run_ranks(2, _train, 2, {}, 2, 0.5, torch.bfloat16))[0]
+    moved = unwrap(run_ranks(2, _train, 2, kwargs, 2, 0.5, torch.bfloat16))[0]
+    master_diff = _max_diff(moved["master"], plain["master"])
+    print(f"bf16 master max abs diff NVMe vs device {master_diff:.3e}")
+    assert master_diff <= 2e-3
+    for master, param in zip(moved["master"], moved["params"], strict=True):
+        assert torch.equal(master.to(torch.bfloat16), param)
+
+
+def test_nvme_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
+    kwargs = _kwargs(tmp_path, {"sub_group_size": 11})
+    diffs = unwrap(run_ranks(2, _resume, 2, kwargs))
+    print(f"NVMe: resumed vs uninterrupted max abs diff {diffs[0]:.3e}")
+    assert diffs[0] == 0.0, "resuming replays the same arithmetic"
+
+
+# ---- Resident memory: buffer_count sub-groups, whatever the model size ----------------
+
+
+class _Wide(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+SUB_GROUP = 4096
+BUFFERS = 3
+
+
+def _resident(rank: int, world_size: int, path: str) -> list[dict[str, int]]:
+    out = []
+    for width in (128, 512):  # 16.5k and 262k parameters: 16x the state
+        torch.manual_seed(0)
+        model = _Wide(width)
+        optimizer = zeroshard.ZeroOptimizer(
+            model.parameters(),
+            "adamw",
+            stage=2,
+            offload_optimizer=_nvme(Path(path), buffer_count=BUFFERS),
+            sub_group_size=SUB_GROUP,
+        )
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, width)).pow(2).mean().backward()
+            optimizer.step()
+        stats = optimizer.nvme_stats()
+        out.append(
+            {
+                "params": sum(p.numel() for p in model.parameters()),
+                "host": optimizer.host_model_state_bytes(),
+                "disk": stats["disk_bytes"],
+                "buffers": stats["buffer_bytes"],
+            }
+        )
+        del optimizer
+    return out
+
+
+def test_resident_optimizer_state_is_buffer_count_sub_groups_whatever_the_model_size(
+    tmp_path: Path,
+) -> None:
+    for rows in unwrap(run_ranks(2, _resident, str(tmp_path))):
+        small, large = rows
+        print(f"resident host bytes: {small} vs {large}")
+        # master + 2 moments of BUFFERS sub-groups, slots rounded up to 4 KiB.
+        assert small["buffers"] == large["buffers"] == BUFFERS * 3 * SUB_GROUP * 4
+        # Host memory = those buffers + the two staging slots (fp32 gradient and
+        # parameter copy of one sub-group each): the same at both sizes.
+        staging = 2 * (SUB_GROUP * 4 + SUB_GROUP * 4)
+        assert small["host"] == large["host"] == small["buffers"] + staging
+        # The state itself is on disk and grows with the model.
+        assert large["disk"] >= 12 * large["params"] / 2
+        assert large["disk"] > 10 * small["disk"]
+        # The estimator predicts both sides (slots are rounded up to 4 KiB on
+        # disk: 0.6% at the larger size, more for a 64-element last sub-group).
+        estimate = zeroshard.estimate(
+            large["params"],
+            world_size=2,
+            precision="fp32",
+            stages=(2,),
+            offload_optimizer="nvme",
+            sub_group_size=SUB_GROUP,
+            nvme_buffer_count=BUFFERS,
+        )[0]
+        for measured, estimated in (
+            (large["host"], estimate["cpu_bytes_per_node"]),
+            (large["disk"], estimate["nvme_bytes_per_node"]),
+        ):
+            print(f"measured {measured} B, estimated {estimated:.0f} B")
+            assert abs(measured - estimated) / estimated <= 0.03
+
+
+# ---- Faults: every rank raises a clear error, nothing hangs ---------------------------
+
+
+def _construct(rank: int, world_size: int, path: str, width: int) -> str:
+    torch.manual_seed(0)
+    model = _Wide(width)
+    try:
+        zeroshard.ZeroOptimizer(
+            model.parameters(), "adamw", stage=2, offload_optimizer=_nvme(Path(path))
+        )
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 1 MiB tmpfs (CI runs as root; elsewhere the tests using it skip, saying why)."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_bad_nvme_paths_fail_on_every_rank(tmp_path: Path, small_disk: Path) -> None:
+    cases = {
+        "missing": (str(tmp_path / "nowhere"), 16, "is not an existing directory"),
+        "not_writable": ("/proc", 16, "cannot create a swap directory under nvme_path '/proc'"),
+        # 262k parameters: master + moments are 3 MiB, the disk is 1 MiB.
+        "too_small": (str(small_disk), 512, "not enough free space for '"),
+    }
+    for label, (path, width, expected) in cases.items():
+        messages = run_ranks(2, _construct, path, width)
+        for rank, message in enumerate(messages):
+            print(f"{label} rank {rank}: {message}")
+            assert expected in message, (label, rank, message)
+            if label == "too_small":
+                # One sub-group per rank of 262,656 / 2 elements; three fp32
+                # slots, each rounded up to 4 KiB.
+                slot = -(-131_328 * 4 // 4096) * 4096
+                assert f"it needs {3 * slot} bytes" in message
+                assert "could not set up the NVMe swap space" in message
+    assert list(small_disk.iterdir()) == [], "a failed construction left swap files behind"
+
+
+def _fill_then_damage(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Wide(64)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=2,
+        offload_optimizer=_nvme(Path(path)),
+        sub_group_size=1024,
+    )
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.ones(2, 64)).pow(2).mean().backward()
+        optimizer.step()
+
+    step()
+    # The disk fills up: the swap space was reserved at construction, so the
+    # next steps still train.
+    if rank == 0:
+        with open(os.path.join(path, "filler"), "wb") as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+            except OSError:
+                pass
+    torch.distributed.barrier()
+    step()
+    swap = os.path.join(optimizer.nvme_stats()["directory"], "optimizer.swap")
+    # Then rank 1's swap file is damaged (truncated): every rank must raise.
+    if rank == 1:
+        os.truncate(swap, 0)
+    try:
+        step()
+        return {"error": None}
+    except (ValueError, RuntimeError) as error:
+        return {"error": str(error)}
+
+
+def test_a_full_disk_does_not_stop_training_and_a_damaged_swap_file_fails_every_rank(
+    small_disk: Path,
+) -> None:
+    results = unwrap(run_ranks(2, _fill_then_damage, str(small_disk)))
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result['error']}")
+        assert result["error"] is not None, rank
+        assert "rank 1" in result["error"] and "met the end of the file" in result["error"]
+
+
+# ---- The engine reads DeepSpeed's sections as written ---------------------------------
+
+
+def _engine_run(rank: int, world_size: int, offload: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Wide(24)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": offload, "sub_group_size": 64},
+        "aio": {"block_size": 65536, "queue_depth": 4, "thread_count": 2, "single_submit": True},
+    }
+    engine, optimizer, *_ = zeroshard.initialize(model, config=config)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 24, generator=g)[2 * rank : 2 * rank + 2]
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    with optimizer.gathered_parameters():
+        params = [p.detach().clone() for p in model.parameters()]
+    return {"params": params, "stats": optimizer.nvme_stats()}
+
+
+def test_engine_runs_deepspeeds_nvme_section_as_cpu_offload_does(tmp_path: Path) -> None:
+    nvme = unwrap(run_ranks(2, _engine_run, _nvme(tmp_path, buffer_count=2)))
+    cpu = unwrap(run_ranks(2, _engine_run, {"device": "cpu"}))
+    for rank in range(2):
+        stats = nvme[rank]["stats"]
+        print(f"rank {rank}: {stats}")
+        assert stats is not None and stats["bytes_written"] > 0
+        assert stats["buffer_bytes"] == 2 * 3 * 4096  # two sub-groups of 64, slots of 4 KiB
+        assert cpu[rank]["stats"] is None
+        # The same host kernel on the same values: bit for bit.
+        assert _max_diff(nvme[rank]["params"], cpu[rank]["params"]) == 0.0
