@@ -8,6 +8,7 @@ this module only decides the units and calls into it.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,15 +36,31 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+# Mixture-of-experts blocks of common libraries (transformers' MixtralSparseMoeBlock,
+# Qwen2MoeSparseMoeBlock, DeepseekV3MoE, DeepSpeed's MoE, ...), by class name.
+_MOE_BLOCK = re.compile(r"mo[e](block|layer)?$", re.IGNORECASE)
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """Whether ``module``'s class looks like a mixture-of-experts block."""
+    return bool(_MOE_BLOCK.search(type(module).__name__))
+
+
 def repeated_blocks(model: nn.Module) -> set[int]:
-    """ids of the default policy's blocks: the children of an ``nn.ModuleList``,
-    and the children of an ``nn.Sequential`` whose class repeats there (the
-    layers of a transformer), that hold parameters. Outermost only: a list
-    inside a block belongs to the block (a MoE's experts stay with their layer).
+    """ids of the default policy's blocks: mixture-of-experts blocks (see
+    :func:`is_moe_block`), the children of an ``nn.ModuleList``, and the
+    children of an ``nn.Sequential`` whose class repeats there (the layers of
+    a transformer), that hold parameters. Outermost only: a list inside a
+    block belongs to the block. A MoE block is one unit with all its experts
+    (DeepSpeed's ``set_z3_leaf_modules``): ranks whose tokens route to
+    different experts still gather the same units in the same order.
     """
     blocks: set[int] = set()
 
     def visit(module: nn.Module) -> None:
+        if module is not model and is_moe_block(module) and _has_params(module):
+            blocks.add(id(module))
+            return
         children = list(module.children())
         if isinstance(module, nn.ModuleList):
             found = [c for c in children if _has_params(c)]
