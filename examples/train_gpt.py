@@ -76,6 +76,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--print-every", type=int, default=20)
+    parser.add_argument(
+        "--offload-optimizer",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="where the optimizer state and step live (nvme: a swap file under --nvme-path)",
+    )
+    parser.add_argument("--nvme-path", default="/var/tmp", help="directory for the NVMe swap")
+    parser.add_argument(
+        "--sub-group-size", type=int, default=1_000_000_000, help="elements per sub-group"
+    )
     return parser.parse_args()
 
 
@@ -121,11 +131,16 @@ def main() -> None:
     # Stage 3 gathers each transformer block as one unit (the embeddings, final
     # norm and head are units of their own).
     stage3 = {"module": model, "unit_classes": (Block,)} if args.stage == 3 else {}
+    offload: dict = {"device": args.offload_optimizer}
+    if args.offload_optimizer == "nvme":
+        offload["nvme_path"] = args.nvme_path
     optimizer = zeroshard.ZeroOptimizer(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         optimizer=args.optimizer,
         stage=args.stage,
         lr=args.lr,
+        offload_optimizer=offload,
+        sub_group_size=args.sub_group_size,
         **stage3,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
