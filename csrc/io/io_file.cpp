@@ -30,10 +30,12 @@ int64_t free_bytes(const std::string& path) {
 const char* io_op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
 void check_aio_options(const AioOptions& options) {
-  TORCH_CHECK_VALUE(
-      options.block_size() >= kDirectAlignment && options.block_size() % kDirectAlignment == 0,
-      "aio.block_size must be a positive multiple of ", kDirectAlignment, " bytes, got ",
-      options.block_size());
+  // At most 1 GiB: io_uring takes a 32-bit length per request.
+  TORCH_CHECK_VALUE(options.block_size() >= kDirectAlignment &&
+                        options.block_size() % kDirectAlignment == 0 &&
+                        options.block_size() <= (int64_t{1} << 30),
+                    "aio.block_size must be a multiple of ", kDirectAlignment,
+                    " bytes between 4 KiB and 1 GiB, got ", options.block_size());
   TORCH_CHECK_VALUE(options.queue_depth() >= 1 && options.queue_depth() <= 4096,
                     "aio.queue_depth must be 1..4096, got ", options.queue_depth());
   TORCH_CHECK_VALUE(options.intra_op_parallelism() >= 1 && options.intra_op_parallelism() <= 256,
@@ -65,10 +67,16 @@ std::shared_ptr<IoFile> IoFile::open(const std::string& path, Mode mode, int64_t
   // The second descriptor must not truncate what the first one created.
   int direct = ::open(path.c_str(), (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT);
   if (direct < 0) {
-    TORCH_WARN_ONCE("zeroshard: the file system of '", path, "' refuses O_DIRECT (",
-                    system_message(errno),
-                    "); NVMe swap I/O goes through the page cache there, which is slower and "
-                    "uses host memory");
+    const int error = errno;
+    // EINVAL is how a file system says it has no direct I/O (tmpfs); anything
+    // else (no descriptors left, no memory) is an error of its own.
+    if (error != EINVAL) {
+      ::close(buffered);
+      TORCH_CHECK(false, "cannot open '", path, "' for direct I/O: ", system_message(error));
+    }
+    TORCH_WARN_ONCE("zeroshard: the file system of '", path,
+                    "' refuses O_DIRECT; NVMe swap I/O goes through the page cache there, which "
+                    "is slower and uses host memory");
   }
   auto file = std::shared_ptr<IoFile>(new IoFile(path, buffered, direct, kDirectAlignment));
   if (mode == Mode::kCreate && reserve_bytes > 0) {
@@ -88,12 +96,14 @@ std::shared_ptr<IoFile> IoFile::open(const std::string& path, Mode mode, int64_t
     TORCH_CHECK(available < 0 || reserve_bytes <= available, "not enough free space for '", path,
                 "': it needs ", reserve_bytes, " bytes and the file system has ", available,
                 " bytes free; point nvme_path at a larger disk or offload less");
+    const std::string free_text =
+        available < 0 ? "an unknown number of" : std::to_string(available);
     int error = ::fallocate(buffered, 0, 0, reserve_bytes) == 0 ? 0 : errno;
     if (error == EOPNOTSUPP) {
       error = ::posix_fallocate(buffered, 0, reserve_bytes);
     }
     TORCH_CHECK(error != ENOSPC, "not enough free space for '", path, "': it needs ", reserve_bytes,
-                " bytes and the file system has ", free_bytes(path),
+                " bytes and the file system has ", free_text,
                 " bytes free; point nvme_path at a larger disk or offload less");
     TORCH_CHECK(error == 0, "cannot reserve ", reserve_bytes, " bytes for '", path,
                 "': ", system_message(error));

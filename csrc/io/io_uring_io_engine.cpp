@@ -5,10 +5,13 @@
 #include <c10/util/Exception.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
+#include <vector>
 
 #if ZEROSHARD_WITH_LIBURING
 #include <liburing.h>
@@ -35,82 +38,149 @@ class IoUringEngine final : public io_detail::QueuedIoEngine {
   const char* backend() const override { return "io_uring"; }
 
  private:
-  void prepare(io_detail::IoPiece* piece) {
+  // Queues a piece in the submission ring; false when the ring has no room
+  // (it then stays with the caller).
+  bool prepare(io_detail::IoPiece* piece) {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    TORCH_INTERNAL_ASSERT(sqe != nullptr, "io_uring submission queue full");
+    if (sqe == nullptr) {
+      return false;
+    }
     if (piece->request.op == IoOp::kRead) {
       io_uring_prep_read(sqe, piece->fd(), piece->cursor(), piece->remaining(), piece->position());
     } else {
       io_uring_prep_write(sqe, piece->fd(), piece->cursor(), piece->remaining(), piece->position());
     }
     io_uring_sqe_set_data(sqe, piece);
+    live_.insert(piece);
     if (options().single_submit()) {
-      io_uring_submit(&ring_);
+      flush();
     }
+    return true;
+  }
+
+  // Hands what is prepared to the kernel. A busy ring (EAGAIN, EBUSY, or
+  // nothing taken) is left for after the next completions; other errors
+  // throw (and fail every piece, see work()).
+  void flush() {
+    while (io_uring_sq_ready(&ring_) > 0) {
+      const int submitted = io_uring_submit(&ring_);
+      if (submitted == -EINTR) {
+        continue;
+      }
+      if (submitted == -EAGAIN || submitted == -EBUSY || submitted == 0) {
+        return;
+      }
+      TORCH_CHECK(submitted > 0, "io_uring_submit failed: ", std::strerror(-submitted));
+    }
+  }
+
+  void complete_piece(io_detail::IoPiece* raw, const std::string& failure) {
+    std::unique_ptr<io_detail::IoPiece> piece(raw);
+    live_.erase(raw);
+    complete(*piece, failure);
+  }
+
+  // One completion: done, failed, or (partial, EINTR, EAGAIN) submitted again.
+  // Returns whether the piece left the ring for good.
+  bool handle(io_uring_cqe* cqe) {
+    auto* piece = static_cast<io_detail::IoPiece*>(io_uring_cqe_get_data(cqe));
+    const int result = cqe->res;
+    io_uring_cqe_seen(&ring_, cqe);
+    live_.erase(piece);
+    if (result == -EINTR || result == -EAGAIN) {
+      return !resubmit(piece);
+    }
+    if (result < 0) {
+      complete_piece(piece, io_detail::describe_failure(*piece, -result));
+      return true;
+    }
+    if (result == 0) {
+      complete_piece(piece, piece->request.op == IoOp::kRead
+                                ? io_detail::describe_end_of_file(*piece)
+                                : io_detail::describe_failure(*piece, ENOSPC));
+      return true;
+    }
+    piece->done += result;
+    if (piece->remaining() == 0) {
+      complete_piece(piece, "");
+      return true;
+    }
+    return !resubmit(piece);  // partial: the rest goes again
+  }
+
+  bool resubmit(io_detail::IoPiece* piece) {
+    if (!prepare(piece)) {
+      flush();
+      if (!prepare(piece)) {
+        complete_piece(piece, "io_uring submission queue full on a retry");
+        return false;
+      }
+    }
+    return true;
   }
 
   void work() {
     const auto depth = static_cast<size_t>(options().queue_depth());
     size_t in_flight = 0;
-    for (;;) {
-      if (in_flight == 0 || options().overlap_events()) {
-        for (io_detail::IoPiece& taken : take(depth - in_flight, /*block=*/in_flight == 0)) {
-          prepare(new io_detail::IoPiece(taken));
-          ++in_flight;
-        }
-      }
-      if (in_flight == 0) {
-        return;  // stopping, and nothing queued
-      }
-      if (!options().single_submit()) {
-        io_uring_submit(&ring_);
-      }
-      // Without overlap_events the whole batch completes before the next.
-      const size_t wanted = options().overlap_events() ? 1 : in_flight;
-      size_t reaped = 0;
-      while (reaped < wanted) {
-        io_uring_cqe* cqe = nullptr;
-        const int error = io_uring_wait_cqe(&ring_, &cqe);
-        if (error == -EINTR) {
-          continue;
-        }
-        TORCH_INTERNAL_ASSERT(error == 0, "io_uring_wait_cqe: ", std::strerror(-error));
-        std::unique_ptr<io_detail::IoPiece> piece(
-            static_cast<io_detail::IoPiece*>(io_uring_cqe_get_data(cqe)));
-        const int result = cqe->res;
-        io_uring_cqe_seen(&ring_, cqe);
-        ++reaped;
-        if (result == -EINTR || result == -EAGAIN) {
-          prepare(piece.release());  // retried; still in flight
-          --reaped;
-          if (!options().single_submit()) {
-            io_uring_submit(&ring_);
-          }
-          continue;
-        }
-        std::string failure;
-        if (result < 0) {
-          failure = io_detail::describe_failure(*piece, -result);
-        } else if (result == 0) {
-          failure = piece->request.op == IoOp::kRead ? io_detail::describe_end_of_file(*piece)
-                                                     : io_detail::describe_failure(*piece, ENOSPC);
-        } else {
-          piece->done += result;
-          if (piece->remaining() > 0) {  // partial: the rest goes again
-            prepare(piece.release());
-            --reaped;
-            if (!options().single_submit()) {
-              io_uring_submit(&ring_);
+    try {
+      for (;;) {
+        if (in_flight == 0 || options().overlap_events()) {
+          for (io_detail::IoPiece& taken : take(depth - in_flight, /*block=*/in_flight == 0)) {
+            auto* piece = new io_detail::IoPiece(taken);
+            if (!prepare(piece)) {  // cannot happen: at most `depth` pieces are in the ring
+              delete piece;
+              complete(taken, "io_uring submission queue full");
+              continue;
             }
+            ++in_flight;
+          }
+        }
+        if (in_flight == 0) {
+          return;  // stopping, and nothing queued
+        }
+        flush();
+        if (io_uring_sq_ready(&ring_) == in_flight) {
+          // The kernel took nothing yet (busy): nothing to wait for but time.
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+          continue;
+        }
+        // Without overlap_events the whole batch completes before the next.
+        const size_t wanted = options().overlap_events() ? 1 : in_flight;
+        for (size_t reaped = 0; reaped < wanted && in_flight > 0;) {
+          io_uring_cqe* cqe = nullptr;
+          const int error = io_uring_wait_cqe(&ring_, &cqe);
+          if (error == -EINTR) {
             continue;
           }
+          TORCH_CHECK(error == 0, "io_uring_wait_cqe failed: ", std::strerror(-error));
+          if (handle(cqe)) {
+            --in_flight;
+            ++reaped;
+          }
+          flush();
         }
-        --in_flight;
-        complete(*piece, failure);
+      }
+    } catch (const std::exception& e) {
+      // The ring is unusable: every piece in it and every later one fails with
+      // the reason, so no wait() hangs and the process is not terminated.
+      const std::string failure = std::string("the io_uring back end failed: ") + e.what();
+      for (io_detail::IoPiece* piece :
+           std::vector<io_detail::IoPiece*>(live_.begin(), live_.end())) {
+        complete_piece(piece, failure);
+      }
+      for (;;) {
+        std::vector<io_detail::IoPiece> pieces = take(depth, /*block=*/true);
+        if (pieces.empty()) {
+          return;
+        }
+        for (const io_detail::IoPiece& piece : pieces) {
+          complete(piece, failure);
+        }
       }
     }
   }
 
+  std::unordered_set<io_detail::IoPiece*> live_;  // in the ring (owned, by raw pointer)
   io_uring ring_{};
   std::thread thread_;
 };
@@ -162,7 +232,13 @@ std::unique_ptr<IoEngine> make_io_uring_engine(const AioOptions& /*options*/) {
 std::unique_ptr<IoEngine> make_io_engine(const AioOptions& options) {
   std::string why_not;
   if (options.use_io_uring() && io_uring_available(&why_not)) {
-    return make_io_uring_engine(options);
+    try {
+      return make_io_uring_engine(options);
+    } catch (const c10::Error& e) {
+      // The probe's small ring worked and this one did not (e.g. a memlock
+      // limit too low for queue_depth entries on older kernels).
+      why_not = e.what_without_backtrace();
+    }
   }
   if (options.use_io_uring()) {
     TORCH_WARN_ONCE("zeroshard: NVMe I/O uses a pread/pwrite thread pool of ",

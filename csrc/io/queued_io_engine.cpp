@@ -32,14 +32,17 @@ QueuedIoEngine::QueuedIoEngine(const AioOptions& options) : options_(options) {
 
 IoTicket QueuedIoEngine::submit(std::vector<IoRequest> requests) {
   const int64_t block = options_.block_size();
-  std::lock_guard<std::mutex> lock(mutex_);
-  const IoTicket ticket = next_ticket_++;
-  TicketState& state = tickets_[ticket];
+  // Every request is checked before any is queued: a refused batch runs nothing.
   for (const IoRequest& request : requests) {
     TORCH_CHECK(request.file != nullptr && request.bytes >= 0 && request.offset >= 0 &&
                     (request.buffer != nullptr || request.bytes == 0),
                 "zeroshard I/O: invalid request (file ", request.file, ", offset ", request.offset,
                 ", ", request.bytes, " bytes, buffer ", request.buffer, ")");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const IoTicket ticket = next_ticket_++;
+  TicketState& state = tickets_[ticket];
+  for (const IoRequest& request : requests) {
     for (int64_t at = 0; at < request.bytes; at += block) {
       IoPiece piece;
       piece.request = request;
@@ -65,9 +68,12 @@ void QueuedIoEngine::wait(IoTicket ticket) {
   if (it == tickets_.end()) {
     return;  // empty, or waited for already
   }
-  ticket_done_.wait(lock, [&] { return it->second.remaining == 0; });
-  const std::string failure = std::move(it->second.failure);
-  tickets_.erase(it);
+  // A pointer, not the iterator: a submit() while we wait may rehash the map
+  // (which keeps references valid, not iterators).
+  TicketState* state = &it->second;
+  ticket_done_.wait(lock, [&] { return state->remaining == 0; });
+  const std::string failure = std::move(state->failure);
+  tickets_.erase(ticket);
   TORCH_CHECK(failure.empty(), "zeroshard NVMe I/O (", backend(), "): ", failure);
 }
 

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <exception>
 
 namespace zeroshard {
 namespace {
@@ -116,25 +117,44 @@ int64_t NvmeStateSwapper::buffer_bytes() const {
   return total;
 }
 
-at::Tensor NvmeStateSwapper::read(size_t j, int64_t state, int64_t local, int64_t length) const {
-  TORCH_INTERNAL_ASSERT(local >= 0 && local + length <= numels_.at(j));
+at::Tensor NvmeStateSwapper::read(size_t j, int64_t state, int64_t local, int64_t length) {
+  TORCH_INTERNAL_ASSERT(local >= 0 && local + length <= numels_.at(j) && state >= 0 &&
+                        state < states_);
+  finish();  // nothing of a step may still be in flight
   at::Tensor out = at::zeros({length}, at::kFloat);
-  if (present_[j][state] && length > 0) {
-    engine_->run({{file_.get(), IoOp::kRead, slot_offset(j, state) + local * 4, out.data_ptr(),
-                   length * 4}});
+  if (!present_[j][state] || length == 0) {
+    return out;
   }
+  if (local == 0 && length == numels_[j] && !buffers_.empty()) {
+    // A whole slot: through an aligned buffer, so it takes the direct path and
+    // the swap does not pass through the page cache.
+    engine_->run(
+        {{file_.get(), IoOp::kRead, slot_offset(j, state), buffers_[0].data, slot_bytes_[j]}});
+    std::memcpy(out.data_ptr(), buffers_[0].data, length * 4);
+    return out;
+  }
+  engine_->run(
+      {{file_.get(), IoOp::kRead, slot_offset(j, state) + local * 4, out.data_ptr(), length * 4}});
   return out;
 }
 
 void NvmeStateSwapper::write(size_t j, int64_t state, int64_t local, const at::Tensor& values) {
   const at::Tensor source = values.to(at::kCPU, at::kFloat).contiguous();
   const int64_t length = source.numel();
-  TORCH_INTERNAL_ASSERT(local >= 0 && local + length <= numels_.at(j));
+  TORCH_INTERNAL_ASSERT(local >= 0 && local + length <= numels_.at(j) && state >= 0 &&
+                        state < states_);
+  finish();  // a write-behind of the same slot must not land after this one
   if (!present_[j][state] && ever_written_[j][state] && length < numels_[j]) {
     // What a partial write leaves untouched must read as zeros, as a new state does.
     write(j, state, 0, at::zeros({numels_[j]}, at::kFloat));
   }
-  if (length > 0) {
+  if (local == 0 && length == numels_[j] && length > 0 && !buffers_.empty()) {
+    // A whole slot: through an aligned buffer (the direct path), padding zeroed.
+    std::memcpy(buffers_[0].data, source.data_ptr(), length * 4);
+    std::memset(buffers_[0].data + length * 4, 0, slot_bytes_[j] - length * 4);
+    engine_->run(
+        {{file_.get(), IoOp::kWrite, slot_offset(j, state), buffers_[0].data, slot_bytes_[j]}});
+  } else if (length > 0) {
     engine_->run({{file_.get(), IoOp::kWrite, slot_offset(j, state) + local * 4, source.data_ptr(),
                    length * 4}});
   }
@@ -224,9 +244,34 @@ void NvmeStateSwapper::release(size_t i, const std::vector<bool>& now_present) {
 }
 
 void NvmeStateSwapper::finish() {
+  // Every transfer completes before the first failure is raised, so none is
+  // left in flight behind an error.
+  std::exception_ptr failure;
   for (Buffer& buffer : buffers_) {
-    wait(buffer.read);
-    wait(buffer.write);
+    for (IoTicket* ticket : {&buffer.read, &buffer.write}) {
+      try {
+        wait(*ticket);
+      } catch (...) {
+        if (!failure) {
+          failure = std::current_exception();
+        }
+      }
+    }
+  }
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+}
+
+void NvmeStateSwapper::abandon() noexcept {
+  for (Buffer& buffer : buffers_) {
+    for (IoTicket* ticket : {&buffer.read, &buffer.write}) {
+      try {
+        wait(*ticket);
+      } catch (...) {
+        // The step that raised reports its own failure.
+      }
+    }
   }
 }
 

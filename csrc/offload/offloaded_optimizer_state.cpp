@@ -112,6 +112,15 @@ void OffloadedOptimizerState::initialize_group(size_t g, const at::Tensor& maste
   }
 }
 
+void OffloadedOptimizerState::check_swap_room(size_t g, OptimizerStateName name) const {
+  const bool any_on_nvme = std::any_of(groups_[g].begin(), groups_[g].end(),
+                                       [&](const SubGroupState& s) { return on_nvme(s); });
+  TORCH_CHECK(!any_on_nvme || swap_slot(name) >= 0, "optimizer state '", state_name(name),
+              "' has no room in the NVMe swap space, which was reserved at construction for "
+              "the states the hyper-parameters needed then (amsgrad turned on later, or a "
+              "checkpoint saved with amsgrad?); construct the optimizer with amsgrad=True");
+}
+
 bool OffloadedOptimizerState::present(const SubGroupState& state, OptimizerStateName name) const {
   if (!on_nvme(state)) {
     return state.tensors[index_of(name)].defined();
@@ -154,14 +163,13 @@ void OffloadedOptimizerState::ensure_moments(size_t g, int64_t state_count) {
       names.push_back(OptimizerStateName::kMaxExpAvgSq);
     }
   }
+  for (OptimizerStateName name : names) {
+    check_swap_room(g, name);  // before anything changes
+  }
   for (auto& state : groups_[g]) {
     for (OptimizerStateName name : names) {
       if (on_nvme(state)) {
         const int64_t slot = swap_slot(name);
-        TORCH_CHECK(slot >= 0, "optimizer state '", state_name(name),
-                    "' has no room in the NVMe swap space, which was reserved at construction "
-                    "for the states the hyper-parameters needed then (amsgrad turned on "
-                    "later?); construct the optimizer with the final hyper-parameters");
         if (!swapper_->present(state.swap_index, slot)) {
           swapper_->mark_zero(state.swap_index, slot);
         }
@@ -209,6 +217,7 @@ at::Tensor OffloadedOptimizerState::read(size_t g, OptimizerStateName name, int6
                                          int64_t length, const at::TensorOptions& options) const {
   TORCH_CHECK(has(g, name), "optimizer state '", state_name(name), "' of group ", g,
               " does not exist");
+  check_swap_room(g, name);
   at::Tensor out = at::empty({length}, options.dtype(at::kFloat));
   for_each_piece(g, offset, length, [&](size_t k, int64_t local, int64_t at, int64_t take) {
     const SubGroupState& state = groups_[g][k];
@@ -222,11 +231,10 @@ at::Tensor OffloadedOptimizerState::read(size_t g, OptimizerStateName name, int6
 void OffloadedOptimizerState::write(size_t g, OptimizerStateName name, int64_t offset,
                                     const at::Tensor& values) {
   at::NoGradGuard no_grad;
+  check_swap_room(g, name);  // before anything changes
   for (auto& state : groups_[g]) {
     if (on_nvme(state)) {
       const int64_t slot = swap_slot(name);
-      TORCH_CHECK(slot >= 0, "optimizer state '", state_name(name),
-                  "' has no room in the NVMe swap space reserved at construction");
       if (!swapper_->present(state.swap_index, slot)) {
         swapper_->mark_zero(state.swap_index, slot);
       }
@@ -343,6 +351,16 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
       swap_order.push_back(sub_groups[host[i]].swap_index);
     }
   }
+  // An exception below (an I/O failure) must not leave transfers in flight
+  // into the swap buffers: they complete, and their own errors are dropped.
+  struct AbandonOnUnwind {
+    NvmeStateSwapper* swapper;
+    ~AbandonOnUnwind() {
+      if (swapper != nullptr) {
+        swapper->abandon();
+      }
+    }
+  } unwind{swap_order.empty() ? nullptr : swapper_.get()};
   if (!swap_order.empty()) {
     swapper_->begin(swap_order);
   }
@@ -372,6 +390,7 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
   if (!swap_order.empty()) {
     swapper_->finish();
   }
+  unwind.swapper = nullptr;
 }
 
 // An NVMe sub-group's states bound to its swap buffer for its update; on a

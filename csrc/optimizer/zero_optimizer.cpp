@@ -167,7 +167,9 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       failure = std::current_exception();
     }
     if (placement_->offload_tier() == StateTier::kNVMe) {
-      checkpoint_detail::agree_on_errors(*comm_, error, "set up the NVMe swap space:", device_);
+      const std::string agreed = checkpoint_detail::combined_error(
+          checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_setup"));
+      TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space: ", agreed);
     } else if (failure) {
       std::rethrow_exception(failure);
     }
@@ -513,94 +515,6 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
   }
   clear_gradient_shards();
   unsynced_gradients_ = false;
-}
-
-void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
-  const bool nvme = placement_->offload_tier() == StateTier::kNVMe && offloaded_;
-  std::string nvme_error;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    GroupShards& shard = shards_[g];
-    const auto& group_options = param_groups_[g].options();
-    for (size_t i = 0; i < shard.steps.size(); ++i) {
-      if (has_grad[g][i]) {
-        shard.steps[i] += 1;
-      }
-    }
-    // With offload the gradient stays as reduced until the host copy.
-    at::Tensor grad32 = offloaded_ || shard.grad_shard.scalar_type() == at::kFloat
-                            ? shard.grad_shard
-                            : shard.grad_shard.to(at::kFloat);
-    std::vector<OffloadedOptimizerState::UpdateRun> runs;
-    // Contiguous runs of owned segments that share a step count and a bucket
-    // are updated with one call each; with no skipped parameters that is one
-    // call per bucket.
-    const auto& segments = shard.segments;
-    size_t begin = 0;
-    while (begin < segments.size()) {
-      const ShardSegment& first = segments[begin];
-      if (!has_grad[g][first.param_index]) {
-        ++begin;
-        continue;
-      }
-      const int64_t step = shard.steps[first.param_index];
-      size_t end = begin + 1;
-      int64_t run_end = first.shard_offset + first.numel;
-      while (end < segments.size() && has_grad[g][segments[end].param_index] &&
-             shard.steps[segments[end].param_index] == step &&
-             segments[end].bucket_index == first.bucket_index &&
-             segments[end].shard_offset == run_end) {
-        run_end += segments[end].numel;
-        ++end;
-      }
-      const int64_t offset = first.shard_offset;
-      const int64_t length = run_end - offset;
-      begin = end;
-      if (offloaded_) {
-        runs.push_back(OffloadedOptimizerState::UpdateRun{offset, length, step});
-        continue;
-      }
-      auto slice = [&](const at::Tensor& t) {
-        return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
-      };
-      const Bucket& bucket = layout_->group(g).buckets()[first.bucket_index];
-      at::Tensor master = master_slice(g, bucket).narrow(0, offset - bucket.shard_offset, length);
-      ShardView view{master,
-                     slice(grad32),
-                     slice(shard.exp_avg),
-                     slice(shard.exp_avg_sq),
-                     slice(shard.max_exp_avg_sq),
-                     slice(shard.momentum_buffer)};
-      apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
-    }
-    if (offloaded_ && nvme_error.empty()) {
-      auto write = [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
-        write_parameter_values(group, offset, values, async);
-      };
-      if (!nvme) {
-        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
-                         options_.fused(), write);
-        continue;
-      }
-      try {
-        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
-                         options_.fused(), write);
-      } catch (const c10::Error& e) {
-        nvme_error = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        nvme_error = e.what();
-      }
-    }
-  }
-  if (nvme) {
-    // An I/O failure on one rank (a damaged swap file, a failing disk) is
-    // raised by every rank here, instead of leaving the others to hang in the
-    // next collective.
-    checkpoint_detail::agree_on_errors(
-        *comm_, nvme_error,
-        "update the optimizer state on NVMe (this step is incomplete; resume from the last "
-        "checkpoint):",
-        device_);
-  }
 }
 
 void ZeroOptimizer::gather_parameters() {

@@ -125,7 +125,7 @@ json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& optio
                 {"world_size", comm_->world_size()},
                 {"stage", options_.stage()},
                 {"inner_optimizer", inner_optimizer_name(inner_kind_)},
-                {"offload_optimizer", options_.offload_optimizer().enabled() ? "cpu" : "none"},
+                {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
                 {"reduce_bucket_size", options_.reduce_bucket_size()},
                 {"files", json::array()},
                 {"groups", json::array()},

@@ -147,6 +147,18 @@ TEST_P(IoEngineTest, AFullDiskIsAnErrorNamingTheFileAndTheWrite) {
   engine->run({{good.get(), IoOp::kWrite, 0, buffer.data(), 10}});
 }
 
+TEST_P(IoEngineTest, ABatchWithAnInvalidRequestRunsNothing) {
+  auto engine = make_engine(GetParam(), AioOptions());
+  auto file = IoFile::open(path("batch"), IoFile::Mode::kCreate, 8192);
+  std::vector<char> buffer(4096, 'z');
+  EXPECT_THROW(engine->submit({{file.get(), IoOp::kWrite, 0, buffer.data(), 4096},
+                               {file.get(), IoOp::kWrite, -1, buffer.data(), 4096}}),
+               c10::Error);
+  std::vector<char> back(4096, 'a');
+  engine->run({{file.get(), IoOp::kRead, 0, back.data(), 4096}});
+  EXPECT_EQ(back, std::vector<char>(4096, '\0')) << "the valid half of a refused batch ran";
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, IoEngineTest, ::testing::Values("io_uring", "thread_pool"),
                          [](const auto& info) { return info.param; });
 
@@ -179,6 +191,8 @@ TEST(IoEngine, RefusesOptionsOutOfRangeAndFallsBackToTheThreadPoolWhenAsked) {
   EXPECT_THROW(check_aio_options(AioOptions().block_size(1000)), c10::ValueError);
   EXPECT_THROW(check_aio_options(AioOptions().queue_depth(0)), c10::ValueError);
   EXPECT_THROW(check_aio_options(AioOptions().intra_op_parallelism(0)), c10::ValueError);
+  EXPECT_THROW(check_aio_options(AioOptions().block_size(int64_t{1} << 32)), c10::ValueError)
+      << "io_uring lengths are 32-bit";
   EXPECT_STREQ(make_io_engine(AioOptions().use_io_uring(false))->backend(), "thread pool");
   std::string why_not;
   const bool available = io_uring_available(&why_not);

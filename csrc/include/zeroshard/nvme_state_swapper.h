@@ -2,7 +2,7 @@
 // moments of the sub-groups StatePlacement puts on NVMe live in one swap file
 // per rank, and come into host memory a few sub-groups at a time.
 //
-// Swap space: <nvme_path>/zeroshard-swap-<pid>-rank<r>/optimizer.swap,
+// Swap space: <nvme_path>/zeroshard-swap-rank<r>-XXXXXX/optimizer.swap (mkdtemp),
 // reserved (fallocate) at construction for every state of every NVMe
 // sub-group, and removed with its directory by the destructor (clean
 // shutdown and error paths alike). Each sub-group has `states_per_sub_group`
@@ -50,8 +50,9 @@ class NvmeStateSwapper {
 
   // Synchronous access outside the step (initialization, checkpoints):
   // [local, local + length) of one state as an fp32 CPU tensor (zeros where
-  // the state was never written), and a write of fp32 values there.
-  at::Tensor read(size_t sub_group, int64_t state, int64_t local, int64_t length) const;
+  // the state was never written), and a write of fp32 values there. Both
+  // first wait for whatever a step left in flight.
+  at::Tensor read(size_t sub_group, int64_t state, int64_t local, int64_t length);
   void write(size_t sub_group, int64_t state, int64_t local, const at::Tensor& values);
   // Makes a state present with zeros (a new moment) or absent (dropped).
   void mark_zero(size_t sub_group, int64_t state);
@@ -60,11 +61,14 @@ class NvmeStateSwapper {
   // The step: begin() with the sub-groups to update in order; acquire(i)
   // waits for the i-th one's states and returns a 1D fp32 view per state
   // (undefined where not present); release(i) writes them back (states
-  // marked in `now_present` become present); finish() waits for every write.
+  // marked in `now_present` become present); finish() waits for every
+  // transfer, then raises the first failure; abandon() waits for every
+  // transfer and drops their failures (a step unwinding from an exception).
   void begin(std::vector<size_t> order);
   std::vector<at::Tensor> acquire(size_t i);
   void release(size_t i, const std::vector<bool>& now_present);
   void finish();
+  void abandon() noexcept;
 
   // Telemetry.
   int64_t disk_bytes() const { return disk_bytes_; }

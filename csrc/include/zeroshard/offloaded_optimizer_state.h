@@ -118,8 +118,10 @@ class OffloadedOptimizerState {
   };
   bool on_nvme(const SubGroupState& state) const { return state.where.tier == StateTier::kNVMe; }
   bool present(const SubGroupState& state, OptimizerStateName name) const;
-  // The swap slot of a state (the master is slot 0).
+  // The swap slot of a state (the master is slot 0; -1: no room reserved).
   int64_t swap_slot(OptimizerStateName name) const;
+  // Throws when group `g` has NVMe sub-groups and no slot for `name`.
+  void check_swap_room(size_t g, OptimizerStateName name) const;
 
   const StatePlacement& placement_;
   InnerOptimizerKind kind_;
