@@ -55,12 +55,16 @@ def repeated_blocks(model: nn.Module) -> set[int]:
     (DeepSpeed's ``set_z3_leaf_modules``): ranks whose tokens route to
     different experts still gather the same units in the same order.
     """
+    # An explicit stack, not a recursive closure: a nested function that
+    # calls itself is a reference cycle that would hold the model until the
+    # garbage collector runs (see _UnitIds).
     blocks: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
+    stack = [model]
+    while stack:
+        module = stack.pop()
         if module is not model and is_moe_block(module) and _has_params(module):
             blocks.add(id(module))
-            return
+            continue
         children = list(module.children())
         if isinstance(module, nn.ModuleList):
             found = [c for c in children if _has_params(c)]
@@ -72,11 +76,7 @@ def repeated_blocks(model: nn.Module) -> set[int]:
         else:
             found = []
         blocks.update(id(c) for c in found)
-        for child in children:
-            if id(child) not in blocks:
-                visit(child)
-
-    visit(model)
+        stack.extend(c for c in reversed(children) if id(c) not in blocks)
     return blocks
 
 
@@ -121,10 +121,13 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -
     blocks = set() if classes else repeated_blocks(model)
     units: list[Unit] = []
     visited: set[int] = set()
-
-    def visit(name: str, module: nn.Module, owner: Unit | None, in_block: bool) -> None:
+    # Pre-order over (name, module, the unit it belongs to, inside a block?),
+    # with an explicit stack for the reason given in repeated_blocks.
+    stack: list[tuple[str, nn.Module, Unit | None, bool]] = [("", model, None, False)]
+    while stack:
+        name, module, owner, in_block = stack.pop()
         if id(module) in visited:  # a module registered twice is visited once, as named_modules
-            return
+            continue
         visited.add(id(module))
         is_block = isinstance(module, classes) if classes else id(module) in blocks
         if is_block and not in_block:
@@ -135,10 +138,10 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -
             units.append(owner)
         if owner is not None:
             owner.params.extend(_direct_params(module))
-        for child_name, child in module.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, owner, in_block)
-
-    visit("", model, None, False)
+        stack.extend(
+            (f"{name}.{child_name}" if name else child_name, child, owner, in_block)
+            for child_name, child in reversed(list(module.named_children()))
+        )
     for unit in units:
         unit.params = list(dict.fromkeys(unit.params))  # dedupe, keep order
     return [unit for unit in units if unit.params]
@@ -164,6 +167,18 @@ def register_hooks(
 _RELEASED_READ_MESSAGES = ("storage of size 0", "data is not allocated")
 
 
+@dataclass(frozen=True)
+class _UnitIds:
+    """What the released-read note needs of a unit, by id only: a hook that
+    held the modules would make a reference cycle through the model, which
+    would keep the optimizer (and its process group) alive past
+    ``destroy_process_group()`` until the interpreter's final collection."""
+
+    name: str
+    module: int
+    params: frozenset[int]
+
+
 def _register_released_read_note(
     model: nn.Module, units: list[Unit]
 ) -> torch.utils.hooks.RemovableHandle:
@@ -171,6 +186,7 @@ def _register_released_read_note(
     read a released parameter, the exception gets a note that names the
     parameters and the module to make a unit (torch re-raises the original
     exception after always_call hooks, so a note is what a hook can add)."""
+    ids = [_UnitIds(u.name, id(u.module), frozenset(id(p) for p in u.params)) for u in units]
 
     def note(module: nn.Module, args: Any, output: Any) -> None:
         if output is not None:  # the forward returned: nothing to explain
@@ -178,7 +194,7 @@ def _register_released_read_note(
         error = sys.exc_info()[1]
         if error is None or not any(m in str(error) for m in _RELEASED_READ_MESSAGES):
             return
-        text = explain_released_read(model, units, error.__traceback__)
+        text = explain_released_read(module, ids, error.__traceback__)
         if text and text not in getattr(error, "__notes__", ()):
             error.add_note(text)
 
@@ -186,7 +202,7 @@ def _register_released_read_note(
 
 
 def explain_released_read(
-    model: nn.Module, units: list[Unit], traceback: TracebackType | None
+    model: nn.Module, units: list[_UnitIds], traceback: TracebackType | None
 ) -> str | None:
     """Which module's forward read parameters its units do not gather.
 
@@ -205,12 +221,13 @@ def explain_released_read(
         if isinstance(candidate, nn.Module) and id(candidate) in names:
             culprit_module = candidate
             break
+    del frames
     if culprit_module is None:
         return None
     prefix = names[id(culprit_module)]
     ancestors = _ancestors(model, culprit_module)
-    gathered = {id(p) for unit in units if id(unit.module) in ancestors for p in unit.params}
-    owner = {id(p): unit.name for unit in units for p in unit.params}
+    gathered = {p for unit in units if unit.module in ancestors for p in unit.params}
+    owner = {p: unit.name for unit in units for p in unit.params}
     released = [
         (f"{prefix}.{name}" if prefix != "<root>" else name, owner.get(id(p), "none"))
         for name, p in culprit_module.named_parameters()
