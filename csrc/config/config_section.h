@@ -247,4 +247,11 @@ inline void flag(DeepSpeedConfig& out, const std::string& path, const json& valu
 // Reads the "scheduler" section (lr_schedule.cpp).
 void read_scheduler(const Section& top, DeepSpeedConfig& out);
 
+// offload_config.cpp: an offload section (`key` of zero_optimization) with
+// DeepSpeed's defaults (`written`: the device as the config names it), and
+// the top-level "aio" section into out.zero.aio().
+OffloadOptions read_offload(const Section& zero, const std::string& key, bool pin_default,
+                            DeepSpeedConfig& out, OffloadDevice* written);
+void read_aio(const Section& top, DeepSpeedConfig& out);
+
 }  // namespace zeroshard::config_detail
