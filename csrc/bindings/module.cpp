@@ -244,9 +244,12 @@ EstimateOptions estimate_options(double num_params, double largest_unit_params, 
                                  int64_t ranks_per_node, const std::string& precision,
                                  const std::string& optimizer, const std::string& offload_optimizer,
                                  const std::string& offload_param, double offload_ratio = 1.0,
-                                 double sub_group_size = 1e9, int64_t nvme_buffer_count = 4) {
+                                 double sub_group_size = 1e9, int64_t nvme_buffer_count = 4,
+                                 double param_max_in_cpu = 1e9, int64_t param_buffer_count = 5) {
   return EstimateOptions()
       .nvme_buffer_count(nvme_buffer_count)
+      .param_max_in_cpu(param_max_in_cpu)
+      .param_buffer_count(param_buffer_count)
       .offload_ratio(offload_ratio)
       .sub_group_size(sub_group_size)
       .num_params(num_params)
@@ -305,17 +308,19 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
          int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
          const std::string& offload_optimizer, const std::string& offload_param,
-         double offload_ratio, double sub_group_size, int64_t nvme_buffer_count) {
+         double offload_ratio, double sub_group_size, int64_t nvme_buffer_count,
+         double param_max_in_cpu, int64_t param_buffer_count) {
         return zeroshard::estimate_dict(zeroshard::estimate_memory(
-            stage,
-            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
-                                        precision, optimizer, offload_optimizer, offload_param,
-                                        offload_ratio, sub_group_size, nvme_buffer_count)));
+            stage, zeroshard::estimate_options(
+                       num_params, largest_unit_params, world_size, ranks_per_node, precision,
+                       optimizer, offload_optimizer, offload_param, offload_ratio, sub_group_size,
+                       nvme_buffer_count, param_max_in_cpu, param_buffer_count)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
       py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
-      py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4);
+      py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4,
+      py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5);
   m.def(
       "deepspeed_estimate",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
@@ -439,17 +444,35 @@ PYBIND11_MODULE(_C, m) {
       .def("nvme_stats",
            [](const ZeroOptimizer& self) -> py::object {
              const zeroshard::NvmeStateSwapper* swapper = self.nvme_swapper();
-             if (swapper == nullptr) {
+             const zeroshard::NvmeParameterSwapper* params = self.parameter_swapper();
+             if (swapper == nullptr && params == nullptr) {
                return py::none();
              }
              py::dict out;
-             out["backend"] = swapper->io_backend();
-             out["directory"] = swapper->directory();
-             out["disk_bytes"] = swapper->disk_bytes();
-             out["buffer_bytes"] = swapper->buffer_bytes();
-             out["bytes_read"] = swapper->bytes_read();
-             out["bytes_written"] = swapper->bytes_written();
-             out["io_wait_seconds"] = swapper->io_wait_seconds();
+             if (swapper != nullptr) {
+               out["backend"] = swapper->io_backend();
+               out["directory"] = swapper->directory();
+               out["disk_bytes"] = swapper->disk_bytes();
+               out["buffer_bytes"] = swapper->buffer_bytes();
+               out["bytes_read"] = swapper->bytes_read();
+               out["bytes_written"] = swapper->bytes_written();
+               out["io_wait_seconds"] = swapper->io_wait_seconds();
+             }
+             if (params != nullptr) {
+               py::dict p;
+               p["backend"] = params->io_backend();
+               p["directory"] = params->directory();
+               p["disk_bytes"] = params->disk_bytes();
+               p["host_shard_bytes"] = params->host_shard_bytes();
+               p["ahead_bytes"] = params->ahead_bytes();
+               p["peak_ahead_bytes"] = params->peak_ahead_bytes();
+               p["bytes_read"] = params->bytes_read();
+               p["bytes_written"] = params->bytes_written();
+               p["reads_ahead"] = params->reads_ahead();
+               p["reads_on_demand"] = params->reads_on_demand();
+               p["io_wait_seconds"] = params->io_wait_seconds();
+               out["parameters"] = p;
+             }
              return out;
            })
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))

@@ -19,9 +19,7 @@ const Keys kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism", "thr
 
 // DeepSpeed's offload section into OffloadOptions (DeepSpeed's defaults for
 // what the section leaves out, except that the NVMe step pipelines unless
-// pipeline_read/pipeline_write say false). NVMe parameter offload is recorded
-// as unsupported (see [Note: Unsupported settings]) and, if ignored, trains
-// with the shards on the device.
+// pipeline_read/pipeline_write say false).
 OffloadOptions read_offload(const Section& zero, const std::string& key, bool pin_default,
                             DeepSpeedConfig& out, OffloadDevice* written) {
   const bool optimizer = key == "offload_optimizer";
@@ -44,19 +42,13 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     options.buffer_size(s.integer("buffer_size", 100000000, 0));
     options.max_in_cpu(s.integer("max_in_cpu", 1000000000, 0));
   }
-  if (device == "nvme" && !optimizer) {
-    flag(out, s.path("device"), device,
-         "NVMe parameter offload is not implemented yet; ignoring it keeps the parameter "
-         "shards on the training device, which changes memory use, not results");
-    return options;  // device none
-  }
   if (device == "nvme") {
     TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),
                       " is needed with device \"nvme\": a directory on the disk to swap to");
   }
-  if (device == "cpu" && !optimizer && out.zero_stage != 3) {
-    TORCH_CHECK_VALUE(false, s.path("device"),
-                      " = \"cpu\" offloads parameter shards, which needs ZeRO stage 3 (as in "
+  if (device != "none" && !optimizer && out.zero_stage != 3) {
+    TORCH_CHECK_VALUE(false, s.path("device"), " = \"", device,
+                      "\" offloads parameter shards, which needs ZeRO stage 3 (as in "
                       "DeepSpeed); zero_optimization.stage is ",
                       out.zero_stage);
   }

@@ -156,7 +156,21 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   } else {
     offload(options.offload_optimizer(), estimate.optimizer_bytes);
   }
-  offload(options.offload_param(), estimate.param_bytes);
+  if (options.offload_param() == OffloadDevice::kNVMe && stage == 3) {
+    // NvmeParameterSwapper: the first max_in_cpu elements in host memory, the
+    // rest on disk, buffer_count buckets of at most a unit's shard read ahead
+    // (slots rounded up to 4 KiB: ignored).
+    const double ranks = static_cast<double>(options.ranks_per_node());
+    const double shard = psi / n;
+    const double in_cpu = std::min(shard, std::max(0.0, options.param_max_in_cpu()));
+    const double ahead = static_cast<double>(std::max<int64_t>(1, options.param_buffer_count())) *
+                         std::ceil(options.largest_unit_params() / n);
+    estimate.cpu_bytes_per_node += (in_cpu + (in_cpu < shard ? ahead : 0.0)) * per.param * ranks;
+    estimate.nvme_bytes_per_node += (shard - in_cpu) * per.param * ranks;
+    estimate.param_bytes = 0;
+  } else {
+    offload(options.offload_param(), estimate.param_bytes);
+  }
   estimate.device_bytes = estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes +
                           estimate.working_bytes;
   return estimate;

@@ -1,11 +1,12 @@
 #include "zeroshard/nvme_state_swapper.h"
 
+#include "swap_directory.h"
+
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cerrno>
@@ -19,22 +20,6 @@ namespace {
 constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
 
 int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
-
-// A swap directory of its own for this run and rank, under nvme_path.
-std::string make_swap_directory(const std::string& nvme_path, int64_t rank) {
-  TORCH_CHECK_VALUE(!nvme_path.empty(),
-                    "offload device 'nvme' needs nvme_path: a directory on the disk to swap to");
-  struct stat info {};
-  const bool exists = ::stat(nvme_path.c_str(), &info) == 0;
-  TORCH_CHECK_VALUE(exists && S_ISDIR(info.st_mode), "nvme_path '", nvme_path,
-                    "' is not an existing directory",
-                    exists ? std::string() : std::string(" (") + std::strerror(errno) + ")");
-  std::string pattern = nvme_path + "/zeroshard-swap-rank" + std::to_string(rank) + "-XXXXXX";
-  TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr,
-              "cannot create a swap directory under nvme_path '", nvme_path,
-              "': ", std::strerror(errno), " (is it writable by this user?)");
-  return pattern;
-}
 
 std::string swap_file(const std::string& directory) { return directory + "/optimizer.swap"; }
 
@@ -56,7 +41,7 @@ NvmeStateSwapper::NvmeStateSwapper(const OffloadOptions& offload, const AioOptio
     present_.emplace_back(states_, false);
   }
   ever_written_ = present_;
-  directory_ = make_swap_directory(offload.nvme_path(), rank);
+  directory_ = make_swap_directory(offload.nvme_path(), "zeroshard-swap", rank);
   try {
     engine_ = make_io_engine(aio);
     file_ = IoFile::open(swap_file(directory_), IoFile::Mode::kCreate, disk_bytes_);

@@ -122,6 +122,12 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     gatherer_ = std::make_unique<ParameterGatherer>(
         *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),
         [this](size_t g, size_t b) {
+          if (param_swapper_) {
+            // An NVMe bucket's buffer is the collective's own (freed with it);
+            // a bucket kept in host memory is copied, as with 'cpu'.
+            return param_swapper_->read(g, b).to(device_, /*non_blocking=*/false,
+                                                 /*copy=*/!param_swapper_->on_nvme(g, b));
+          }
           const Bucket& bucket = layout_->group(g).buckets()[b];
           at::Tensor shard =
               shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
@@ -173,6 +179,24 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     } else if (failure) {
       std::rethrow_exception(failure);
     }
+  }
+  if (placement_->parameter_tier() == StateTier::kNVMe) {
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& options : param_options) {
+      dtypes.push_back(c10::typeMetaToScalarType(options.dtype()));
+    }
+    std::string error;
+    try {
+      param_swapper_ = std::make_unique<NvmeParameterSwapper>(
+          *layout_, std::move(dtypes), options_.offload_param(), options_.aio(), comm_->rank());
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const std::string agreed = checkpoint_detail::combined_error(
+        checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_param_setup"));
+    TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
   }
   build_group_shards();
   GradientBuckets::BucketComplete on_complete;
@@ -354,12 +378,18 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   auto& params = param_groups_[g].params();
   GroupShards& shard = shards_[g];
   const bool meta = params[0].is_meta();
-  // offload_param: the shard lives on the host; gathers copy it over first.
-  shard.param_shard =
-      at::zeros({layout.shard_numel()},
-                placement_->options(placement_->parameter_tier(),
-                                    c10::typeMetaToScalarType(shard.param_options.dtype()),
-                                    /*for_parameters=*/true));
+  // offload_param: the shard lives on the host ('cpu': gathers copy it over
+  // first) or in the parameter swap file ('nvme').
+  at::Tensor initial_master;  // with the swap file: the fp32 master's first values
+  if (param_swapper_) {
+    initial_master = at::empty({layout.shard_numel()}, fp32_options().device(c10::kCPU));
+  } else {
+    shard.param_shard =
+        at::zeros({layout.shard_numel()},
+                  placement_->options(placement_->parameter_tier(),
+                                      c10::typeMetaToScalarType(shard.param_options.dtype()),
+                                      /*for_parameters=*/true));
+  }
   shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
@@ -377,8 +407,13 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
                        "group" + std::to_string(g) + "/initial_params");
       gatherer_->mark_initialized(g, b);
     }
-    shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel)
-        .copy_(full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel));
+    const at::Tensor mine = full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel);
+    if (param_swapper_) {
+      param_swapper_->write(g, bucket.shard_offset, mine);
+      initial_master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    } else {
+      shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
     for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
       const ParamSlot& slot = layout.slots()[s];
       at::Tensor& param = params[slot.param_index];
@@ -407,7 +442,9 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
       }
     }
   }
-  if (offloaded_) {
+  if (param_swapper_) {
+    offloaded_->initialize_group(g, initial_master);
+  } else if (offloaded_) {
     offloaded_->initialize_group(g, shard.param_shard.to(at::kFloat));
   } else if (shard.param_options.dtype() != at::kFloat) {
     shard.master = shard.param_shard.to(at::kFloat);
@@ -519,6 +556,9 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
 
 void ZeroOptimizer::gather_parameters() {
   if (gatherer_) {
+    if (param_swapper_) {
+      param_swapper_->end_iteration();  // the step wrote every shard
+    }
     for (auto& shard : shards_) {
       if (shard.master.defined()) {  // 16-bit parameters: send the rounded master
         shard.param_shard.copy_(shard.master);

@@ -105,6 +105,10 @@ void ZeroOptimizer::write_master(size_t g, int64_t offset, const at::Tensor& val
 
 void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::Tensor& values,
                                            bool async) {
+  if (param_swapper_) {  // stage 3, the shards on NVMe
+    param_swapper_->write(g, offset, values);
+    return;
+  }
   GroupShards& shard = shards_[g];
   if (shard.param_shard.defined()) {  // stage 3
     shard.param_shard.narrow(0, offset, values.numel()).copy_(values, async);
@@ -142,6 +146,9 @@ int64_t ZeroOptimizer::device_model_state_bytes() const {
 
 int64_t ZeroOptimizer::host_model_state_bytes() const {
   int64_t bytes = offloaded_ ? offloaded_->bytes(StateTier::kHost) : 0;
+  if (param_swapper_) {
+    bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
+  }
   for (const auto& shard : shards_) {
     if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kHost) {
       bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());

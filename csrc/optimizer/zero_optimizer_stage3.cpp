@@ -121,7 +121,9 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
       comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
       at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
       write_master(g, bucket.shard_offset, mine);
-      if (shards_[g].param_shard.defined()) {
+      if (param_swapper_) {
+        param_swapper_->write(g, bucket.shard_offset, mine);
+      } else if (shards_[g].param_shard.defined()) {
         shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
       }
     }
@@ -180,7 +182,11 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
     const Bucket& bucket = layout_->group(g).buckets()[b];
     at::Tensor mine =
         gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
-    shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    if (param_swapper_) {
+      param_swapper_->write(g, bucket.shard_offset, mine);
+    } else {
+      shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
     if (shards_[g].master.defined() || offloaded_) {
       write_master(g, bucket.shard_offset, mine);
     }
@@ -190,6 +196,9 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
 
 int64_t ZeroOptimizer::parameter_bytes() const {
   int64_t bytes = gathered_parameter_bytes();
+  if (param_swapper_) {  // what stays in host memory; the rest is on disk
+    bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
+  }
   for (const auto& shard : shards_) {
     if (shard.param_shard.defined()) {
       bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());

@@ -15,7 +15,10 @@
 namespace zeroshard {
 
 void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
-  const bool nvme = placement_->offload_tier() == StateTier::kNVMe && offloaded_;
+  // The step's NVMe transfers: the optimizer state's, and the parameter
+  // shards it writes with offload_param on NVMe.
+  const bool nvme =
+      (placement_->offload_tier() == StateTier::kNVMe && offloaded_) || param_swapper_ != nullptr;
   std::string nvme_error;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupShards& shard = shards_[g];
@@ -97,8 +100,8 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
     const std::string agreed = checkpoint_detail::combined_error(
         checkpoint_detail::all_gather_strings(*comm_, nvme_error, device_, "nvme_step"));
     TORCH_CHECK(agreed.empty(),
-                "could not update the optimizer state on NVMe (this step is incomplete; resume "
-                "from the last checkpoint): ",
+                "could not update the optimizer state or parameters on NVMe (this step is "
+                "incomplete; resume from the last checkpoint): ",
                 agreed);
   }
 }

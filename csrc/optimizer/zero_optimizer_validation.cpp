@@ -44,10 +44,12 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
   for (const auto& [which, offload_ptr] : offloads) {
     const OffloadOptions& offload = *offload_ptr;
     const bool parameters = std::string(which) == "offload_param";
-    TORCH_CHECK_VALUE(!parameters || offload.device() != OffloadDevice::kNVMe,
-                      "offload_param.device = 'nvme' is not supported yet by zeroshard (parameter "
-                      "shards go to host memory with 'cpu'; the optimizer state can go to NVMe "
-                      "with offload_optimizer.device = 'nvme')");
+    TORCH_CHECK_VALUE(
+        !parameters || offload.device() != OffloadDevice::kNVMe ||
+            options.offload_optimizer().enabled(),
+        "offload_param.device = 'nvme' needs offload_optimizer.device = 'cpu' or 'nvme': the "
+        "step writes the new parameter shards to disk from the offloaded fp32 master (as in "
+        "DeepSpeed's ZeRO-Infinity configurations, which offload both)");
     TORCH_CHECK_VALUE(offload.device() != OffloadDevice::kNVMe || !offload.nvme_path().empty(),
                       which,
                       ".device = 'nvme' needs nvme_path: a directory on the disk to swap to");

@@ -76,6 +76,8 @@ def estimate(
     offload_ratio: float = 1.0,
     sub_group_size: float = 1e9,
     nvme_buffer_count: int = 4,
+    param_max_in_cpu: float = 1e9,
+    param_buffer_count: int = 5,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -88,6 +90,11 @@ def estimate(
     ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``
     includes its staging buffers, and with NVMe ``nvme_buffer_count``
     sub-groups of state in host buffers; see ``zeroshard::EstimateOptions``).
+    With ``offload_param="nvme"``, ``param_max_in_cpu`` shard elements stay in
+    host memory and ``param_buffer_count`` buckets (at most the largest
+    unit's shard each) are read ahead: both in ``cpu_bytes_per_node``, the
+    rest in ``nvme_bytes_per_node`` (offload_param's max_in_cpu and
+    buffer_count).
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -115,6 +122,8 @@ def estimate(
                 float(offload_ratio),
                 float(sub_group_size),
                 int(nvme_buffer_count),
+                float(param_max_in_cpu),
+                int(param_buffer_count),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

@@ -73,6 +73,8 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
         else:
             out[key] = int(item)
     out.setdefault("device", "none")
+    if which == "offload_param":
+        out.setdefault("buffer_count", 5)  # DeepSpeed's default for this section
     return out
 
 

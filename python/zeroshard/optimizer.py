@@ -137,7 +137,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             None or ``"none"`` keeps them on the device. Any stage.
         offload_param: stage 3: parameter shards in host memory, copied to the
             device ahead of each unit's all-gather (``"cpu"`` or a dict with
-            DeepSpeed's offload_param keys).
+            DeepSpeed's offload_param keys), or in a swap file per rank with
+            ``{"device": "nvme", "nvme_path": ..., "buffer_count": 5,
+            "buffer_size": 1e8, "max_in_cpu": 1e9}``: read ahead of each
+            all-gather in the previous iteration's order (at most
+            ``buffer_count`` buckets of at most ``buffer_size`` elements),
+            the first ``max_in_cpu`` elements kept in host memory. Needs
+            ``offload_optimizer``.
         sub_group_size: elements per optimizer sub-group (DeepSpeed's key):
             with offload the step runs sub-group by sub-group, and host
             staging buffers are one sub-group in size.
@@ -517,11 +523,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return int(self._impl.host_model_state_bytes())
 
     def nvme_stats(self) -> dict[str, Any] | None:
-        """With ``offload_optimizer`` on NVMe, the swap space since construction:
-        ``backend`` (``"io_uring"`` or ``"thread pool"``), ``directory``,
-        ``disk_bytes`` reserved, ``buffer_bytes`` of host buffers,
-        ``bytes_read``, ``bytes_written`` and ``io_wait_seconds`` (time the
-        step waited for I/O); None without NVMe offload."""
+        """The NVMe swap spaces since construction; None without NVMe offload.
+
+        With ``offload_optimizer`` on NVMe: ``backend`` (``"io_uring"`` or
+        ``"thread pool"``), ``directory``, ``disk_bytes`` reserved,
+        ``buffer_bytes`` of host buffers, ``bytes_read``, ``bytes_written`` and
+        ``io_wait_seconds`` (time the step waited for I/O). With
+        ``offload_param`` on NVMe, under ``"parameters"``: the same I/O keys,
+        ``host_shard_bytes`` (shards kept in host memory: ``max_in_cpu`` and
+        persistent ones), ``ahead_bytes`` / ``peak_ahead_bytes`` (read-ahead
+        buffers now / at most), ``reads_ahead`` (reads the read-ahead served)
+        and ``reads_on_demand`` (reads that waited for the disk)."""
         return self._impl.nvme_stats()
 
     def optimizer_state_bytes(self) -> int:

@@ -198,8 +198,15 @@ TEST_P(OffloadTest, BadOffloadSettingsFailOnEveryRankNamingTheSetting) {
       {ZeroOptions().offload_optimizer(
            OffloadOptions().device(OffloadDevice::kNVMe).nvme_path("/nonexistent/zeroshard")),
        "nvme_path '/nonexistent/zeroshard' is not an existing directory"},
-      {ZeroOptions().stage(3).offload_param(OffloadOptions().device(OffloadDevice::kNVMe)),
-       "offload_param.device = 'nvme' is not supported yet"},
+      {ZeroOptions().stage(3).offload_param(
+           OffloadOptions().device(OffloadDevice::kNVMe).nvme_path("/tmp")),
+       "offload_param.device = 'nvme' needs offload_optimizer.device = 'cpu' or 'nvme'"},
+      {ZeroOptions().stage(3).offload_optimizer(Cpu()).offload_param(
+           OffloadOptions().device(OffloadDevice::kNVMe)),
+       "offload_param.device = 'nvme' needs nvme_path"},
+      {ZeroOptions().stage(3).offload_optimizer(Cpu()).offload_param(
+           OffloadOptions().device(OffloadDevice::kNVMe).nvme_path("/nonexistent/zeroshard")),
+       "could not set up the NVMe swap space for parameters"},
   };
   for (const auto& [options, message] : cases) {
     auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {

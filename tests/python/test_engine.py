@@ -258,9 +258,9 @@ CONFIG_ERRORS = {
         {**_BASE, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 10}},
         'did you mean "stage3_prefetch_bucket_size"?',
     ),
-    "nvme_param_offload_not_supported_yet": (
+    "nvme_param_offload_needs_a_path": (
         {**_BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-        "not supported yet",
+        'zero_optimization.offload_param.nvme_path is needed with device "nvme"',
     ),
     "nvme_offload_needs_a_path": (
         {**_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},

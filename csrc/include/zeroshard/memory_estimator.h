@@ -41,6 +41,11 @@ struct EstimateOptions {
   // NVMe optimizer offload: host buffers, each one sub-group's master and
   // moments (offload_optimizer.buffer_count).
   TORCH_ARG(int64_t, nvme_buffer_count) = 4;
+  // NVMe parameter offload (nvme_parameter_swapper.h): shard elements kept
+  // in host memory (offload_param.max_in_cpu) and buckets read ahead, each
+  // at most the largest unit's shard (offload_param.buffer_count).
+  TORCH_ARG(double, param_max_in_cpu) = 1e9;
+  TORCH_ARG(int64_t, param_buffer_count) = 5;
 };
 
 // Bytes per rank unless named per node.
@@ -56,7 +61,8 @@ struct MemoryEstimate {
   // of the offloaded sub-groups, plus the staging buffers of the offloaded
   // step (the gradient in fp32 and the returning parameters, one or two
   // sub-groups of each). For NVMe optimizer offload: the staging buffers and
-  // buffer_count sub-groups' master and moments.
+  // buffer_count sub-groups' master and moments. For NVMe parameter offload:
+  // the max_in_cpu elements' shards and the read-ahead buffers.
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };

@@ -7,7 +7,8 @@
 // (1 - ratio) of all sub-groups, in group order and rounded down, stay on
 // the device and the rest go to the host, or with device 'nvme' to the
 // swap file (nvme_state_swapper.h), through host buffers. Stage 3 parameter
-// shards live on the host with offload_param, on the device otherwise.
+// shards live on the host with offload_param 'cpu', in their own swap file
+// with 'nvme' (nvme_parameter_swapper.h), on the device otherwise.
 //
 // Pure bookkeeping plus allocation: knows nothing of optimizers or ranks.
 #pragma once
@@ -54,7 +55,10 @@ class StatePlacement {
   // The tier of offloaded sub-groups: kHost, or kNVMe for device 'nvme'.
   StateTier offload_tier() const { return offload_tier_; }
   StateTier parameter_tier() const {
-    return offloads_parameters() ? StateTier::kHost : StateTier::kDevice;
+    if (!offloads_parameters()) {
+      return StateTier::kDevice;
+    }
+    return offload_param_.device() == OffloadDevice::kNVMe ? StateTier::kNVMe : StateTier::kHost;
   }
 
   c10::Device device() const { return device_; }

@@ -24,6 +24,7 @@
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/nvme_parameter_swapper.h"
 #include "zeroshard/offloaded_optimizer_state.h"
 #include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/partition_layout.h"
@@ -128,6 +129,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   const StatePlacement& placement() const { return *placement_; }
   // With offload_optimizer on NVMe: the swap space's telemetry; else null.
   const NvmeStateSwapper* nvme_swapper() const { return offloaded_ ? offloaded_->nvme() : nullptr; }
+  // With offload_param on NVMe (stage 3): the parameter swap space; else null.
+  const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
 
   // This rank's shard of the optimizer state plus the layout it was made
   // with. Load it back with load_shard_state at the same world size.
@@ -305,6 +308,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // With offload_optimizer: the master and moments of every group (then
   // GroupShards holds none of them).
   std::unique_ptr<OffloadedOptimizerState> offloaded_;
+  // With offload_param on NVMe: the stage-3 parameter shards (then
+  // GroupShards::param_shard is undefined).
+  std::unique_ptr<NvmeParameterSwapper> param_swapper_;
   std::vector<GroupShards> shards_;
   // With offload the gradient shard holds the reduced sum and this factor
   // (1 / (world size x loss scale), times the clipping coefficient) is

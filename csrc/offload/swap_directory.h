@@ -1,0 +1,16 @@
+// The swap directories of the NVMe tiers (nvme_state_swapper.h,
+// nvme_parameter_swapper.h): one per run, rank and tier under nvme_path.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace zeroshard {
+
+// mkdtemp of <nvme_path>/<prefix>-rank<rank>-XXXXXX; throws naming the path
+// and the system's reason when nvme_path is missing, not a directory or not
+// writable. The caller removes it (and the one file it puts there).
+std::string make_swap_directory(const std::string& nvme_path, const std::string& prefix,
+                                int64_t rank);
+
+}  // namespace zeroshard
