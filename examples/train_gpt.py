@@ -82,6 +82,12 @@ def parse_args() -> argparse.Namespace:
         default="none",
         help="where the optimizer state and step live (nvme: a swap file under --nvme-path)",
     )
+    parser.add_argument(
+        "--offload-param",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="stage 3: where the parameter shards live (nvme needs --offload-optimizer)",
+    )
     parser.add_argument("--nvme-path", default="/var/tmp", help="directory for the NVMe swap")
     parser.add_argument(
         "--sub-group-size", type=int, default=1_000_000_000, help="elements per sub-group"
@@ -134,12 +140,17 @@ def main() -> None:
     offload: dict = {"device": args.offload_optimizer}
     if args.offload_optimizer == "nvme":
         offload["nvme_path"] = args.nvme_path
+    # max_in_cpu 0: every shard on disk (DeepSpeed's default keeps 1e9 elements in RAM).
+    offload_param: dict = {"device": args.offload_param}
+    if args.offload_param == "nvme":
+        offload_param.update(nvme_path=args.nvme_path, max_in_cpu=0)
     optimizer = zeroshard.ZeroOptimizer(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         optimizer=args.optimizer,
         stage=args.stage,
         lr=args.lr,
         offload_optimizer=offload,
+        offload_param=offload_param if args.stage == 3 else None,
         sub_group_size=args.sub_group_size,
         **stage3,
     )

@@ -1,5 +1,7 @@
 #include "zeroshard/gradient_buckets.h"
 
+#include "zeroshard/mapped_host_memory.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
@@ -91,7 +93,7 @@ void GradientBuckets::ensure_staging(size_t g, size_t b) {
     return;
   }
   const Bucket& bucket = layout_.group(g).buckets()[b];
-  state.staging = at::empty({bucket.numel}, grad_options_[g]);
+  state.staging = empty_buffer(bucket.numel, grad_options_[g]);
   live_staging_bytes_ += bytes_of(state.staging);
   peak_staging_bytes_ = std::max(peak_staging_bytes_, live_staging_bytes_);
 }
@@ -217,7 +219,7 @@ void GradientBuckets::launch(size_t g, size_t b) {
   state.launched = true;
   InFlight entry;
   entry.staging = std::move(state.staging);
-  entry.output = at::empty({bucket.shard_numel}, grad_options_[g]);
+  entry.output = empty_buffer(bucket.shard_numel, grad_options_[g]);
   entry.group = g;
   entry.bucket = b;
   comm_.note("bucket_ready", bucket_tag(g, b));

@@ -1,6 +1,8 @@
 #include "zeroshard/mapped_host_memory.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
@@ -67,6 +69,29 @@ at::Tensor mapped_host_empty(int64_t numel, c10::ScalarType dtype) {
   return at::Tensor(at::detail::empty_generic({numel}, mapped_host_allocator(),
                                               c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
                                               c10::nullopt));
+}
+
+namespace {
+
+bool mapped(int64_t numel, const at::TensorOptions& options) {
+  return options.device().is_cpu() && !options.pinned_memory() &&
+         numel * static_cast<int64_t>(options.dtype().itemsize()) >= kMappedBufferBytes;
+}
+
+}  // namespace
+
+at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
+  if (mapped(numel, options)) {
+    return mapped_host_empty(numel, c10::typeMetaToScalarType(options.dtype()));
+  }
+  return at::empty({numel}, options);
+}
+
+at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options) {
+  if (mapped(numel, options)) {
+    return mapped_host_empty(numel, c10::typeMetaToScalarType(options.dtype()));  // zero pages
+  }
+  return at::zeros({numel}, options);
 }
 
 }  // namespace zeroshard

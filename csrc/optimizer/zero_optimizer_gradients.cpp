@@ -4,6 +4,8 @@
 // [Note: stage 1 overlap]).
 #include "zeroshard/zero_optimizer.h"
 
+#include "zeroshard/mapped_host_memory.h"
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
@@ -90,7 +92,8 @@ void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& gr
 void ZeroOptimizer::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
-      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
+      shards_[g].grad_shard =
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
     }
   }
 }
@@ -166,7 +169,8 @@ void ZeroOptimizer::finish_gradient_reduction() {
     // complete, and launch, one after another.
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
-      shards_[g].grad_shard = at::zeros({layout_->group(g).shard_numel()}, shards_[g].grad_options);
+      shards_[g].grad_shard =
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();

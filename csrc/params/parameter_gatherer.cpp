@@ -1,5 +1,7 @@
 #include "zeroshard/parameter_gatherer.h"
 
+#include "zeroshard/mapped_host_memory.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -36,7 +38,10 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
     buckets_[g].resize(buckets.size());
     for (size_t b = 0; b < buckets.size(); ++b) {
       BucketState& bucket = buckets_[g][b];
-      bucket.full = at::empty({buckets[b].numel}, group_options_[g]);
+      // On a CPU device a large bucket's storage is a mapping of its own, so
+      // that releasing it returns the memory (see mapped_host_memory.h);
+      // allocate() reuses the storage's allocator.
+      bucket.full = empty_buffer(buckets[b].numel, group_options_[g]);
       bucket.persistent = buckets[b].unit == kNoUnit;
       bucket.materialized = true;
       count_live(bucket, +1);

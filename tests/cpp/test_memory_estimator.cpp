@@ -46,12 +46,23 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   // fp32 parameters: the offloaded master is a copy of its own (12 bytes, not 8).
   auto fp32 = estimate_memory(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32));
   EXPECT_DOUBLE_EQ(fp32.cpu_bytes_per_node, (12 * 1.25e8 + 8 * 1.25e8) * 8);
-  auto nvme = estimate_memory(3, EstimateOptions(options)
-                                     .offload_optimizer(OffloadDevice::kNVMe)
-                                     .offload_param(OffloadDevice::kNVMe)
-                                     .largest_unit_params(1e7));
+  const auto nvme_options = EstimateOptions(options)
+                                .offload_optimizer(OffloadDevice::kNVMe)
+                                .offload_param(OffloadDevice::kNVMe)
+                                .largest_unit_params(1e7);
+  const auto states_only =
+      estimate_memory(3, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone));
+  auto nvme = estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
   EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 4 * 1e7);  // grad shard + working set
+  // In host memory besides the optimizer tier's buffers: five buckets read
+  // ahead, each the largest unit's shard (1e7 / 8 bf16 elements), per rank.
+  EXPECT_DOUBLE_EQ(nvme.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 5 * 1.25e6 * 2 * 8);
+  // DeepSpeed's default max_in_cpu (1e9 elements) keeps these shards (1.25e8
+  // elements) in host memory: nothing to read ahead.
+  auto in_cpu = estimate_memory(3, nvme_options);
+  EXPECT_DOUBLE_EQ(in_cpu.nvme_bytes_per_node, 12e9);
+  EXPECT_DOUBLE_EQ(in_cpu.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 2e9);
   EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCPU)),
                c10::ValueError);
 }

@@ -19,11 +19,19 @@
 namespace zeroshard {
 namespace {
 
-// Four parameters, each its own unit and so its own bucket; at world size 2
-// this rank's shards are 1500, 2500, 350 and 1000 elements.
+// Four parameters, each its own unit and so its own bucket. The layout puts
+// them in reverse registration order: at world size 2 this rank's shards of
+// buckets 0-3 are 1000, 350, 2500 and 1500 elements (fp32 slots of 4, 4, 12
+// and 8 KiB).
 PartitionLayout four_units() {
-  return PartitionLayout({{3000, 5000, 700, 2000}}, /*world_size=*/2, /*bucket_numel=*/1 << 20,
+  PartitionLayout layout({{3000, 5000, 700, 2000}}, /*world_size=*/2, /*bucket_numel=*/1 << 20,
                          {{0, 1, 2, 3}});
+  std::vector<int64_t> shards;
+  for (const Bucket& bucket : layout.group(0).buckets()) {
+    shards.push_back(bucket.shard_numel);
+  }
+  EXPECT_EQ(shards, (std::vector<int64_t>{1000, 350, 2500, 1500}));
+  return layout;
 }
 
 OffloadOptions nvme(const std::string& path) {
@@ -53,8 +61,8 @@ TEST(NvmeParameterSwapperTest, WritesThatCutBucketsReadBack) {
         at::equal(swapper.read(0, b), values.narrow(0, bucket.shard_offset, bucket.shard_numel)))
         << "bucket " << b;
   }
-  // Slots are whole 4 KiB pages: 6000, 10000, 1400 and 4000 bytes.
-  EXPECT_EQ(swapper.disk_bytes(), (2 + 3 + 1 + 1) * 4096);
+  // Slots are whole 4 KiB pages: 4000, 1400, 10000 and 6000 bytes.
+  EXPECT_EQ(swapper.disk_bytes(), (1 + 1 + 3 + 2) * 4096);
   EXPECT_EQ(swapper.reads_on_demand(), 4);
 }
 
@@ -71,12 +79,12 @@ TEST(NvmeParameterSwapperTest, ReadAheadFollowsThePlanAndNeverServesStaleValues)
   EXPECT_EQ(swapper.reads_on_demand(), 4);
   EXPECT_EQ(swapper.reads_ahead(), 0);
   // The step is over: the plan's first buckets, 0 and 1 (two buffers), are
-  // read at once; slots of 8 and 12 KiB.
+  // read at once.
   swapper.end_iteration();
-  EXPECT_EQ(swapper.ahead_bytes(), 8192 + 12288);
+  EXPECT_EQ(swapper.ahead_bytes(), 4096 + 4096);
   // Reading bucket 0 takes its buffer and starts bucket 2's read.
   swapper.read(0, 0);
-  EXPECT_EQ(swapper.ahead_bytes(), 12288 + 4096);
+  EXPECT_EQ(swapper.ahead_bytes(), 4096 + 12288);
   // Bucket 1 changes while its read-ahead is in flight or done: the read
   // must return the new values.
   const Bucket& one = layout.group(0).buckets()[1];
@@ -88,39 +96,45 @@ TEST(NvmeParameterSwapperTest, ReadAheadFollowsThePlanAndNeverServesStaleValues)
       at::equal(swapper.read(0, 2),
                 at::arange(two.shard_offset, two.shard_offset + two.shard_numel).to(at::kFloat)));
   swapper.read(0, 3);
-  // Buckets 0, 2 and 3 came from the read-ahead; bucket 1's was cancelled.
+  // Buckets 0, 2 and 3 came from the read-ahead; bucket 1's was cancelled
+  // (and its on-demand read started bucket 3's).
   EXPECT_EQ(swapper.reads_ahead(), 3);
   EXPECT_EQ(swapper.reads_on_demand(), 4 + 1);
-  EXPECT_EQ(swapper.peak_ahead_bytes(), 8192 + 12288);
+  EXPECT_EQ(swapper.peak_ahead_bytes(), 12288 + 8192);
 
   // Leaving the plan stops the read-ahead for the rest of the iteration:
   // what was read ahead still serves, nothing more is read.
   swapper.end_iteration();
   swapper.read(0, 3);
   EXPECT_EQ(swapper.reads_on_demand(), 6);
-  EXPECT_EQ(swapper.ahead_bytes(), 8192 + 12288);
+  EXPECT_EQ(swapper.ahead_bytes(), 4096 + 4096);
   swapper.read(0, 0);
   EXPECT_EQ(swapper.reads_ahead(), 4);
-  EXPECT_EQ(swapper.ahead_bytes(), 12288);
+  EXPECT_EQ(swapper.ahead_bytes(), 4096);
 }
 
 TEST(NvmeParameterSwapperTest, MaxInCpuKeepsAPrefixInHostMemory) {
   TempDirectory dir;
   const PartitionLayout layout = four_units();
-  // 4000 elements: buckets 0 and 1 (1500 + 2500); bucket 2 would fit the
-  // rest of the budget but the prefix ends at the first that does not.
-  NvmeParameterSwapper swapper(layout, {at::kFloat}, nvme(dir.path()).max_in_cpu(4000),
+  // 2850 elements: buckets 0 and 1 (1000 + 350); bucket 3 (1500) would fit
+  // the rest of the budget, but the prefix ends at bucket 2 (2500), the first
+  // that does not.
+  NvmeParameterSwapper swapper(layout, {at::kFloat}, nvme(dir.path()).max_in_cpu(2850),
                                AioOptions(), 0);
   EXPECT_FALSE(swapper.on_nvme(0, 0));
   EXPECT_FALSE(swapper.on_nvme(0, 1));
   EXPECT_TRUE(swapper.on_nvme(0, 2));
   EXPECT_TRUE(swapper.on_nvme(0, 3));
-  EXPECT_EQ(swapper.host_shard_bytes(), 4000 * 4);
-  EXPECT_EQ(swapper.disk_bytes(), 2 * 4096);
+  EXPECT_EQ(swapper.host_shard_bytes(), 1350 * 4);
+  EXPECT_EQ(swapper.disk_bytes(), 12288 + 8192);
   const at::Tensor values = at::randn({layout.group(0).shard_numel()});
   swapper.write(0, 0, values);
-  EXPECT_TRUE(at::equal(swapper.read(0, 1), values.narrow(0, 1500, 2500)));
-  EXPECT_TRUE(at::equal(swapper.read(0, 3), values.narrow(0, 4350, 1000)));
+  for (size_t b = 0; b < 4; ++b) {
+    const Bucket& bucket = layout.group(0).buckets()[b];
+    EXPECT_TRUE(
+        at::equal(swapper.read(0, b), values.narrow(0, bucket.shard_offset, bucket.shard_numel)))
+        << "bucket " << b;
+  }
 }
 
 TEST(NvmeParameterSwapperTest, SwapDirectoryGoesWithTheSwapperAndBadSettingsAreErrors) {
@@ -132,7 +146,7 @@ TEST(NvmeParameterSwapperTest, SwapDirectoryGoesWithTheSwapperAndBadSettingsAreE
     directory = swapper.directory();
     EXPECT_NE(directory.find("/zeroshard-params-rank1-"), std::string::npos) << directory;
     EXPECT_TRUE(exists(directory + "/parameters.swap"));
-    // bf16: 3000, 5000, 700 and 2000 bytes: 1, 2, 1 and 1 pages.
+    // bf16: 2000, 700, 5000 and 3000 bytes: 1, 1, 2 and 1 pages.
     EXPECT_EQ(swapper.disk_bytes(), 5 * 4096);
   }
   EXPECT_FALSE(exists(directory));
@@ -142,7 +156,7 @@ TEST(NvmeParameterSwapperTest, SwapDirectoryGoesWithTheSwapperAndBadSettingsAreE
     FAIL() << "a bucket larger than buffer_size was accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("offload_param.buffer_size (2000 elements) is smaller "
-                                         "than this rank's shard of bucket 1 of parameter group 0 "
+                                         "than this rank's shard of bucket 2 of parameter group 0 "
                                          "(2500 elements); raise buffer_size to at least 2500"),
               std::string::npos)
         << e.what();
