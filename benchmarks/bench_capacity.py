@@ -69,6 +69,11 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
             "nvme_path": args.nvme_path,
             "buffer_count": args.buffer_count,
         },
+        offload_param=(
+            {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
+            if args.offload_param == "nvme"
+            else None
+        ),
         sub_group_size=args.sub_group_size,
         aio={"queue_depth": 32, "block_size": 1 << 20},
     )
@@ -78,6 +83,7 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
         g = torch.Generator().manual_seed(step % 2)  # two batches, repeated: the loss must fall
         seq = torch.randint(0, args.vocab, (args.batch * world, args.context + 1), generator=g)
         seq = seq[rank * args.batch : (rank + 1) * args.batch]
+        params_before = optimizer.nvme_stats().get("parameters", {})
         begin = time.perf_counter()
         optimizer.zero_grad()
         logits = model(seq[:, :-1])
@@ -91,8 +97,13 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
         optimizer.step()
         step_seconds = time.perf_counter() - begin
         after = optimizer.nvme_stats()
+        params_after = after.get("parameters", {})
         rows.append(
             {
+                "param_read": params_after.get("bytes_read", 0)
+                - params_before.get("bytes_read", 0),
+                "param_wait": params_after.get("io_wait_seconds", 0.0)
+                - params_before.get("io_wait_seconds", 0.0),
                 "loss": loss.item(),
                 "compute": compute,
                 "step": step_seconds,
@@ -117,6 +128,7 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
                 "disk_bytes": stats["disk_bytes"],
                 "buffer_bytes": stats["buffer_bytes"],
                 "backend": stats["backend"],
+                "param_disk_bytes": stats.get("parameters", {}).get("disk_bytes", 0),
             },
         )
     )
@@ -136,6 +148,9 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/var/tmp")
     parser.add_argument("--sub-group-size", type=int, default=25_000_000)
     parser.add_argument("--buffer-count", type=int, default=4)
+    parser.add_argument(
+        "--offload-param", choices=["none", "nvme"], default="none", help="parameter shards too"
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "capacity.md"))
     args = parser.parse_args()
     world = 2
@@ -157,10 +172,11 @@ def main() -> None:
     psi = r0["params"]
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lines = [
-        "# Capacity: model states larger than RAM, trained with ZeRO-3 + NVMe optimizer offload",
+        "# Capacity: model states larger than RAM, trained with ZeRO-3 + NVMe offload",
         "",
         f"`python benchmarks/bench_capacity.py --depth {args.depth} --width {args.width} "
-        f"--nvme-path {args.nvme_path}` on {platform.node() or 'this machine'} "
+        f"--nvme-path {args.nvme_path} --offload-param {args.offload_param}` on "
+        f"{platform.node() or 'this machine'} "
         f"({os.cpu_count()} cores, {ram / 2**30:.1f} GiB RAM), torch {torch.__version__}.",
         "",
         f"GPT with {psi / 1e9:.2f}B parameters in bf16 (fp32 master + AdamW moments: 16 "
@@ -169,16 +185,24 @@ def main() -> None:
         f"({r0['backend']}; {r0['disk_bytes'] / 1e9:.1f} GB swap per rank, host buffers "
         f"{r0['buffer_bytes'] / 1e9:.2f} GB per rank: buffer_count {args.buffer_count} x "
         f"sub_group_size {args.sub_group_size:,}), {args.batch} x {args.context} tokens per "
-        f"rank per step. Construction took {r0['setup']:.0f} s.",
+        f"rank per step. Construction took {r0['setup']:.0f} s."
+        + (
+            f" `offload_param` on NVMe too (max_in_cpu 0): {r0['param_disk_bytes'] / 1e9:.2f} GB "
+            "of bf16 parameter shards per rank on disk, read ahead of each all-gather."
+            if args.offload_param == "nvme"
+            else ""
+        ),
         "",
-        "| step | loss | forward+backward (s) | optimizer step (s) | of which I/O wait (s) | "
+        "| step | loss | forward+backward (s) | of which parameter reads (GB / wait s) | "
+        "optimizer step (s) | of which I/O wait (s) | "
         "swapped per rank (GB) | swap GB/s per rank | peak RSS rank 0 / 1 (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, row in enumerate(r0["rows"]):
         other = collected[1]["rows"][i]
         lines.append(
-            f"| {i} | {row['loss']:.4f} | {row['compute']:.1f} | {row['step']:.1f} | "
+            f"| {i} | {row['loss']:.4f} | {row['compute']:.1f} | "
+            f"{row['param_read'] / 1e9:.2f} / {row['param_wait']:.1f} | {row['step']:.1f} | "
             f"{row['io_wait']:.1f} | {row['swapped'] / 1e9:.1f} | "
             f"{row['swapped'] / 1e9 / row['step']:.2f} | {row['rss_peak']:.2f} / "
             f"{other['rss_peak']:.2f} |"

@@ -105,7 +105,31 @@ void bind_engine(py::module_& m) {
           "has_scheduler",
           [](const DeepSpeedConfig& c) { return c.scheduler.type != LrScheduleType::kNone; })
       .def("optimizer_arguments", &optimizer_arguments)
-      .def("check_supported", [](const DeepSpeedConfig& c) { check_supported(c); });
+      .def("check_supported", [](const DeepSpeedConfig& c) { check_supported(c); })
+      .def("has_auto_settings", [](const DeepSpeedConfig& c) { return has_auto_settings(c); })
+      .def_property_readonly("nvme_paths",
+                             [](const DeepSpeedConfig& c) {
+                               return py::make_tuple(c.zero.offload_optimizer().nvme_path(),
+                                                     c.zero.offload_param().nvme_path());
+                             })
+      .def(
+          "resolve_auto",
+          [](DeepSpeedConfig& c, double num_params, double largest_unit_params,
+             int64_t ranks_per_node, double device_bytes, double host_bytes, double nvme_bytes,
+             bool device_is_host) {
+            AvailableMemory available;
+            available.device_bytes = device_bytes;
+            available.host_bytes = host_bytes;
+            available.nvme_bytes = nvme_bytes;
+            available.device_is_host = device_is_host;
+            return resolve_auto_configuration(c, num_params, largest_unit_params, ranks_per_node,
+                                              available);
+          },
+          py::arg("num_params"), py::arg("largest_unit_params"), py::arg("ranks_per_node"),
+          py::arg("device_bytes"), py::arg("host_bytes"), py::arg("nvme_bytes"),
+          py::arg("device_is_host"),
+          "Resolves \"auto\" settings (see zeroshard::resolve_auto_configuration); returns "
+          "the decision and its figures, raises ValueError naming what is short.");
   m.def(
       "parse_deepspeed_config",
       [](const std::string& text, int64_t world_size) {

@@ -148,6 +148,16 @@ class Section {
 
   std::string path(const std::string& key) const { return child_path(path_, key); }
 
+  // Whether the key holds the string "auto" (which find() refuses): for the settings
+  // zeroshard resolves itself (zero_optimization.stage, offload_*.device).
+  bool is_auto(const std::string& key) const {
+    if (value_ == nullptr) {
+      return false;
+    }
+    const auto it = value_->find(key);
+    return it != value_->end() && it->is_string() && it->get<std::string>() == "auto";
+  }
+
   const json* find(const std::string& key) const {
     if (value_ == nullptr) {
       return nullptr;

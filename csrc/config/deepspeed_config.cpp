@@ -186,7 +186,11 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
                     " (DeepSpeed's deprecated boolean form)");
   const Section zero = top.section("zero_optimization", zero_keys());
 
-  out.zero_stage = zero.integer("stage", 0, 0, 3);
+  if (zero.is_auto("stage")) {
+    out.stage_auto = true;  // resolve_auto_configuration sets zero_stage
+  } else {
+    out.zero_stage = zero.integer("stage", 0, 0, 3);
+  }
   if (out.zero_stage >= 1) {
     out.zero.stage(out.zero_stage);
   }
@@ -219,7 +223,7 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
     out.offload_optimizer = OffloadDevice::kCPU;
   }
   if (zero.boolean("cpu_offload_param", false) && out.offload_param == OffloadDevice::kNone) {
-    TORCH_CHECK_VALUE(out.zero_stage == 3, zero.path("cpu_offload_param"),
+    TORCH_CHECK_VALUE(out.zero_stage == 3 || out.stage_auto, zero.path("cpu_offload_param"),
                       " offloads parameter shards, which needs ZeRO stage 3");
     param_offload.device(OffloadDevice::kCPU);
     out.offload_param = OffloadDevice::kCPU;
@@ -504,6 +508,13 @@ DeepSpeedConfig load_deepspeed_config(const std::string& path, int64_t world_siz
 }
 
 void check_supported(const DeepSpeedConfig& config) {
+  TORCH_CHECK_VALUE(!has_auto_settings(config),
+                    "the DeepSpeed config has \"auto\" settings not resolved yet (",
+                    config.stage_auto ? "zero_optimization.stage " : "",
+                    config.offload_optimizer_auto ? "offload_optimizer.device " : "",
+                    config.offload_param_auto ? "offload_param.device" : "",
+                    "): zeroshard.initialize resolves them from the memory free on each rank; "
+                    "from C++ call resolve_auto_configuration first");
   if (config.unsupported.empty() || config.ignore_unsupported) {
     return;
   }

@@ -24,8 +24,12 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
                             DeepSpeedConfig& out, OffloadDevice* written) {
   const bool optimizer = key == "offload_optimizer";
   const Section s = zero.section(key, optimizer ? kOffloadOptimizerKeys : kOffloadParamKeys);
-  const std::string device = s.choice("device", "none", {"none", "cpu", "nvme"});
-  *written = parse_offload_device(device);
+  const std::string device =
+      s.is_auto("device") ? "auto" : s.choice("device", "none", {"none", "cpu", "nvme"});
+  if (device == "auto") {
+    (optimizer ? out.offload_optimizer_auto : out.offload_param_auto) = true;
+  }
+  *written = device == "auto" ? OffloadDevice::kNone : parse_offload_device(device);
   OffloadOptions options;
   options.nvme_path(s.string("nvme_path", ""));
   options.buffer_count(s.integer("buffer_count", optimizer ? 4 : 5, 0));
@@ -46,13 +50,14 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),
                       " is needed with device \"nvme\": a directory on the disk to swap to");
   }
-  if (device != "none" && !optimizer && out.zero_stage != 3) {
+  if ((device == "cpu" || device == "nvme") && !optimizer && out.zero_stage != 3 &&
+      !out.stage_auto) {
     TORCH_CHECK_VALUE(false, s.path("device"), " = \"", device,
                       "\" offloads parameter shards, which needs ZeRO stage 3 (as in "
                       "DeepSpeed); zero_optimization.stage is ",
                       out.zero_stage);
   }
-  options.device(parse_offload_device(device));
+  options.device(device == "auto" ? OffloadDevice::kNone : parse_offload_device(device));
   return options;
 }
 

@@ -25,7 +25,9 @@ std::string gigabytes(double bytes) {
   return text;
 }
 
-std::string describe(int64_t stage, OffloadDevice optimizer, OffloadDevice param) {
+}  // namespace
+
+std::string describe_configuration(int64_t stage, OffloadDevice optimizer, OffloadDevice param) {
   std::string text = "ZeRO stage " + std::to_string(stage);
   if (optimizer != OffloadDevice::kNone) {
     text += " + optimizer offload to " + std::string(offload_device_name(optimizer));
@@ -35,8 +37,6 @@ std::string describe(int64_t stage, OffloadDevice optimizer, OffloadDevice param
   }
   return text;
 }
-
-}  // namespace
 
 PrecisionRecipe parse_precision(const std::string& name) {
   const std::string key = lower(name);
@@ -229,7 +229,8 @@ Recommendation recommend_configuration(const EstimateOptions& options, double de
     EstimateOptions tried = options;
     tried.offload_optimizer(candidate.optimizer).offload_param(candidate.param);
     const MemoryEstimate estimate = estimate_memory(candidate.stage, tried);
-    const std::string name = describe(candidate.stage, candidate.optimizer, candidate.param);
+    const std::string name =
+        describe_configuration(candidate.stage, candidate.optimizer, candidate.param);
     if (estimate.device_bytes <= device_bytes) {
       best.fits = true;
       best.estimate = estimate;

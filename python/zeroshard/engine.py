@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import _C, deepspeed_migration
+from zeroshard.auto import resolve_auto
 from zeroshard.optimizer import _IN_FLIGHT, ZeroOptimizer
 from zeroshard.units import resolve_unit_classes
 
@@ -312,6 +313,7 @@ def initialize(
     unit_classes: Sequence[type[nn.Module]] = (),
     param_init_fn: Callable[[nn.Module], None] | None = None,
     check_collective_order: bool = True,
+    memory_limit: float | str | None = None,
 ) -> tuple[Engine, ZeroOptimizer, None, _ConfiguredScheduler | None]:
     """Builds the engine, optimizer and scheduler a DeepSpeed config describes.
 
@@ -321,6 +323,13 @@ def initialize(
     Stage 3 uses ``model`` for its hooks and ``unit_classes``, with the classes
     the config names in ``"zeroshard": {"unit_classes": [...]}``, as the wrap
     policy (see :func:`zeroshard.units.plan_units` for the default).
+
+    ``"auto"`` as ``zero_optimization.stage`` or an offload section's
+    ``device`` is resolved first from the estimator and the memory free on
+    the ranks (see :func:`zeroshard.auto.resolve_auto`; ``memory_limit`` caps
+    the memory per rank it plans for); rank 0 prints the decision and the
+    figures behind it, and every rank raises ``ValueError`` naming what is
+    short when nothing fits.
     """
     if config is None:
         raise ValueError("zeroshard.initialize needs config= (a DeepSpeed JSON path or dict)")
@@ -333,6 +342,8 @@ def initialize(
         process_group = dist.group.WORLD
     world_size = dist.get_world_size(process_group)
     parsed = _load_config(config, world_size)
+    if parsed.has_auto_settings():
+        resolve_auto(parsed, model, process_group, memory_limit)
     parsed.check_supported()
     arguments = parsed.optimizer_arguments()
     zero = dict(arguments["zero_options"])

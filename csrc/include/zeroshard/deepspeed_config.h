@@ -134,6 +134,14 @@ struct DeepSpeedConfig {
   // make_unit (unit_module.h). Empty: the default policy.
   std::vector<std::string> unit_classes;
 
+  // "auto" as zero_optimization.stage, offload_optimizer.device or offload_param.device:
+  // chosen by resolve_auto_configuration before training (check_supported refuses a config
+  // that still holds one). The offload sections' other keys (nvme_path, buffer_count, ...)
+  // are read as usual and apply to whatever device is chosen.
+  bool stage_auto = false;
+  bool offload_optimizer_auto = false;
+  bool offload_param_auto = false;
+
   // One line per setting zeroshard does not implement yet, e.g.
   //   zero_optimization.offload_optimizer.device = "nvme" is not supported yet by zeroshard (...)
   std::vector<std::string> unsupported;
@@ -149,8 +157,21 @@ DeepSpeedConfig parse_deepspeed_config(const nlohmann::json& config, int64_t wor
 DeepSpeedConfig load_deepspeed_config(const std::string& path, int64_t world_size);
 
 // Throws c10::ValueError listing config.unsupported, unless the list is empty or the config
-// sets "zeroshard": {"ignore_unsupported": true}.
+// sets "zeroshard": {"ignore_unsupported": true}; and for an "auto" setting not resolved yet.
 void check_supported(const DeepSpeedConfig& config);
+
+// Whether the config says "auto" for the stage or an offload device.
+bool has_auto_settings(const DeepSpeedConfig& config);
+// Resolves the "auto" settings with choose_configuration (memory_estimator.h) for a model of
+// `num_params` parameters whose largest stage-3 unit has `largest_unit_params`, trained with
+// `ranks_per_node` ranks per node and the memory `available` (the minimum over ranks, so that
+// every rank decides alike; NVMe is tried only where the offload section gives an nvme_path).
+// Precision, optimizer, sub_group_size and the offload sections' keys come from the config.
+// Returns the decision and the figures behind it; throws c10::ValueError with those figures,
+// naming what is short, when nothing fits.
+std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
+                                       double largest_unit_params, int64_t ranks_per_node,
+                                       const AvailableMemory& available);
 
 // The learning rate DeepSpeed's scheduler (deepspeed/runtime/lr_schedules.py) sets when its
 // last_batch_iteration is `step`, for an optimizer whose configured lr is `base_lr`; base_lr

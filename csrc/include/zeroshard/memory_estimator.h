@@ -10,6 +10,7 @@
 #include <torch/csrc/api/include/torch/arg.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,5 +98,39 @@ struct Recommendation {
   std::string reason;
 };
 Recommendation recommend_configuration(const EstimateOptions& options, double device_bytes);
+
+// "ZeRO stage 3 + optimizer offload to nvme + parameter offload to cpu".
+std::string describe_configuration(int64_t stage, OffloadDevice optimizer, OffloadDevice param);
+
+// What a rank may plan for when a config says "auto": the memory and disk
+// free, the minimum over the ranks (so that every rank decides alike).
+struct AvailableMemory {
+  double device_bytes = 0;      // per rank, on the training device (unused when device_is_host)
+  double host_bytes = 0;        // per node: RAM the node's ranks share
+  double nvme_bytes = -1;       // free at nvme_path; < 0: no nvme_path, NVMe is not tried
+  bool device_is_host = false;  // a CPU device: the device memory is the host's RAM
+};
+
+// The settings a config fixes; the others (nullopt) are chosen.
+struct FixedSettings {
+  std::optional<int64_t> stage;
+  std::optional<OffloadDevice> offload_optimizer;
+  std::optional<OffloadDevice> offload_param;
+  // NVMe needs a swap path: false where the config's section gives none.
+  bool optimizer_nvme = true;
+  bool param_nvme = true;
+};
+
+// The cheapest configuration that fits in device, host and disk memory, in
+// the order the seed documents advise: stages 1, 2, 3 without offload, then
+// offload (CPU before NVMe, the optimizer state before the parameters). A
+// candidate fits when the estimate's device bytes per rank fit the device,
+// its host bytes per node fit the host (on a CPU device the two add up in
+// the same RAM), and its NVMe bytes the disk. `reason` gives the figures of
+// the choice and of what was rejected; when nothing fits it names what is
+// short, and by how much, for the last (most offloaded) candidate.
+Recommendation choose_configuration(const EstimateOptions& options,
+                                    const AvailableMemory& available,
+                                    const FixedSettings& fixed = {});
 
 }  // namespace zeroshard

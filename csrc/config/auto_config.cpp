@@ -1,0 +1,84 @@
+// "auto" in a DeepSpeed config (zero_optimization.stage, offload_*.device):
+// the estimator's cheapest configuration that fits what is free.
+#include "zeroshard/deepspeed_config.h"
+
+#include <c10/util/Exception.h>
+
+#include <cctype>
+#include <string>
+
+namespace zeroshard {
+namespace {
+
+StateKind state_kind_of(const DeepSpeedConfig& config) {
+  if (config.optimizer_type != "SGD") {
+    return StateKind::kAdam;  // Adam, AdamW, or none given (the caller's: assume Adam's two)
+  }
+  const auto momentum = config.optimizer_params.find("momentum");
+  return momentum != config.optimizer_params.end() && momentum->get<double>() != 0
+             ? StateKind::kSgdMomentum
+             : StateKind::kSgd;
+}
+
+}  // namespace
+
+bool has_auto_settings(const DeepSpeedConfig& config) {
+  return config.stage_auto || config.offload_optimizer_auto || config.offload_param_auto;
+}
+
+std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
+                                       double largest_unit_params, int64_t ranks_per_node,
+                                       const AvailableMemory& available) {
+  if (!has_auto_settings(config)) {
+    return "";
+  }
+  const OffloadOptions& optimizer_offload = config.zero.offload_optimizer();
+  const OffloadOptions& param_offload = config.zero.offload_param();
+  EstimateOptions options =
+      EstimateOptions()
+          .num_params(num_params)
+          .largest_unit_params(largest_unit_params)
+          .world_size(config.world_size)
+          .ranks_per_node(ranks_per_node)
+          .precision(config.fp16.enabled || config.bf16.enabled ? PrecisionRecipe::kMixed16
+                                                                : PrecisionRecipe::kFp32)
+          .optimizer(state_kind_of(config))
+          .offload_ratio(optimizer_offload.ratio())
+          .sub_group_size(static_cast<double>(config.zero.sub_group_size()))
+          .nvme_buffer_count(optimizer_offload.buffer_count())
+          .param_max_in_cpu(static_cast<double>(param_offload.max_in_cpu()))
+          .param_buffer_count(param_offload.buffer_count());
+  FixedSettings fixed;
+  if (!config.stage_auto) {
+    fixed.stage = config.zero_stage;
+  }
+  if (!config.offload_optimizer_auto) {
+    fixed.offload_optimizer = config.offload_optimizer;
+  }
+  if (!config.offload_param_auto) {
+    fixed.offload_param = config.offload_param;
+  }
+  // NVMe is a candidate only where its section says where to swap.
+  fixed.optimizer_nvme = !optimizer_offload.nvme_path().empty();
+  fixed.param_nvme = !param_offload.nvme_path().empty();
+  const Recommendation choice = choose_configuration(options, available, fixed);
+  TORCH_CHECK_VALUE(choice.fits, "zeroshard \"auto\" configuration for ", num_params,
+                    " parameters on ", config.world_size, " ranks: ", choice.reason);
+  if (config.stage_auto) {
+    config.zero_stage = choice.estimate.stage;
+    config.zero.stage(choice.estimate.stage);
+  }
+  if (config.offload_optimizer_auto) {
+    config.offload_optimizer = choice.offload_optimizer;
+    config.zero.offload_optimizer(
+        OffloadOptions(optimizer_offload).device(choice.offload_optimizer));
+  }
+  if (config.offload_param_auto) {
+    config.offload_param = choice.offload_param;
+    config.zero.offload_param(OffloadOptions(param_offload).device(choice.offload_param));
+  }
+  config.stage_auto = config.offload_optimizer_auto = config.offload_param_auto = false;
+  return "zeroshard \"auto\" chose " + choice.reason;
+}
+
+}  // namespace zeroshard

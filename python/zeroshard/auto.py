@@ -1,0 +1,89 @@
+"""``"auto"`` in a DeepSpeed config: the stage and offload devices chosen from what is free.
+
+The decision is the C++ core's (``zeroshard::resolve_auto_configuration``:
+the estimator's cheapest configuration that fits); this module measures what
+this rank has free (device memory, the node's RAM, the disk under the offload
+sections' ``nvme_path``), agrees on the minimum over the ranks so that every
+rank decides alike, and prints the decision on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.estimator import count_model, parse_bytes
+
+
+def _host_available_bytes() -> float:
+    """The node's MemAvailable (what the kernel can give without swapping)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def _disk_free_bytes(paths: tuple[str, str]) -> float:
+    """Free bytes under the given nvme_paths (the smallest), -1 when none exists."""
+    free = [shutil.disk_usage(p).free for p in paths if p and os.path.isdir(p)]
+    return float(min(free)) if free else -1.0
+
+
+def resolve_auto(
+    parsed: object,
+    model: nn.Module,
+    process_group: dist.ProcessGroup,
+    memory_limit: float | str | None = None,
+) -> str:
+    """Resolves the config's ``"auto"`` settings in place; returns the decision.
+
+    Args:
+        parsed: the C++ ``DeepSpeedConfig`` (``_C.parse_deepspeed_config``).
+        model: its parameters and largest stage-3 unit are counted.
+        process_group: the data-parallel group the ranks agree over.
+        memory_limit: at most this much memory per rank is planned for (on the
+            training device; on a CPU device, RAM): e.g. ``"8GB"`` to leave
+            room for activations. Default: what is free.
+
+    Raises:
+        ValueError: on every rank, when nothing fits, naming what is short.
+    """
+    num_params, largest_unit = count_model(model)
+    world_size = dist.get_world_size(process_group)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nccl = dist.get_backend(process_group) == "nccl"
+    device_is_host = not nccl
+    host = _host_available_bytes()
+    device = 0.0
+    if not device_is_host:
+        device = float(torch.cuda.mem_get_info()[0])
+    if memory_limit is not None:
+        limit = parse_bytes(memory_limit)
+        if device_is_host:
+            host = min(host, limit * ranks_per_node)
+        else:
+            device = min(device, limit)
+    disk = _disk_free_bytes(tuple(parsed.nvme_paths))
+    # The minimum over ranks (disk: -1 anywhere means no NVMe for anyone).
+    agreed = torch.tensor(
+        [device, host, disk], dtype=torch.float64, device="cuda" if nccl else "cpu"
+    )
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
+    device, host, disk = (float(x) for x in agreed.cpu())
+    decision = parsed.resolve_auto(
+        float(num_params),
+        float(largest_unit),
+        ranks_per_node,
+        device,
+        host,
+        disk,
+        device_is_host,
+    )
+    if dist.get_rank(process_group) == 0:
+        print(f"[zeroshard] {decision}", flush=True)
+    return decision
