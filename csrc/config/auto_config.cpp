@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cctype>
+#include <cmath>
 #include <string>
 
 namespace zeroshard {
@@ -28,7 +29,7 @@ bool has_auto_settings(const DeepSpeedConfig& config) {
 
 std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
                                        double largest_unit_params, int64_t ranks_per_node,
-                                       const AvailableMemory& available) {
+                                       const AvailableMemory& available, bool needs_stage3) {
   if (!has_auto_settings(config)) {
     return "";
   }
@@ -51,6 +52,8 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
   FixedSettings fixed;
   if (!config.stage_auto) {
     fixed.stage = config.zero_stage;
+  } else if (needs_stage3) {
+    fixed.stage = 3;
   }
   if (!config.offload_optimizer_auto) {
     fixed.offload_optimizer = config.offload_optimizer;
@@ -60,7 +63,10 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
   }
   // NVMe is a candidate only where its section says where to swap.
   fixed.optimizer_nvme = !optimizer_offload.nvme_path().empty();
-  fixed.param_nvme = !param_offload.nvme_path().empty();
+  // ... and, for the parameters, where each bucket fits one swap buffer.
+  fixed.param_nvme = !param_offload.nvme_path().empty() &&
+                     std::ceil(largest_unit_params / static_cast<double>(config.world_size)) <=
+                         static_cast<double>(param_offload.buffer_size());
   const Recommendation choice = choose_configuration(options, available, fixed);
   TORCH_CHECK_VALUE(choice.fits, "zeroshard \"auto\" configuration for ", num_params,
                     " parameters on ", config.world_size, " ranks: ", choice.reason);

@@ -77,8 +77,9 @@ Recommendation choose_configuration(const EstimateOptions& options,
                     "the device memory available must be > 0 bytes, got ", available.device_bytes);
   const bool nvme_allowed = available.nvme_bytes >= 0;
   const std::vector<Candidate> tried = candidates(fixed, nvme_allowed);
-  TORCH_CHECK_VALUE(!tried.empty(), "no configuration matches the settings the config fixes",
-                    nvme_allowed ? "" : " (NVMe offload needs an nvme_path)");
+  TORCH_CHECK_VALUE(
+      !tried.empty(), "no configuration matches the settings the config fixes",
+      nvme_allowed ? "" : " (NVMe offload needs an nvme_path that exists on every rank)");
   const double ranks = static_cast<double>(options.ranks_per_node());
   Recommendation best;
   std::string rejected;
@@ -133,7 +134,9 @@ Recommendation choose_configuration(const EstimateOptions& options,
   }
   const bool nvme_tried = nvme_allowed && (fixed.optimizer_nvme || fixed.param_nvme);
   best.reason = "nothing fits: even " + shortfall + " (model states only; " +
-                (nvme_tried ? std::string() : "NVMe not tried: no nvme_path given; ") +
+                (nvme_tried ? std::string()
+                            : "NVMe not tried: no nvme_path given, or not a directory on "
+                              "every rank; ") +
                 "add ranks or memory)";
   return best;
 }

@@ -17,6 +17,8 @@ namespace {
 constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
 // A run that never steps (evaluation only) stops recording its reads here.
 constexpr size_t kMaxTrace = size_t{1} << 20;
+// How far ahead in the plan a read that is not next in line is looked for.
+constexpr size_t kResyncWindow = 8;
 
 int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -82,6 +84,11 @@ NvmeParameterSwapper::NvmeParameterSwapper(const PartitionLayout& layout,
 NvmeParameterSwapper::~NvmeParameterSwapper() { release_resources(); }
 
 void NvmeParameterSwapper::release_resources() noexcept {
+  try {
+    flush();
+  } catch (const std::exception&) {
+    // Going away: nobody reads these values again.
+  }
   // Reads in flight target the buffers: they finish before the buffers go.
   for (auto& [id, ahead] : ahead_) {
     try {
@@ -139,21 +146,29 @@ void NvmeParameterSwapper::cancel_ahead(const BucketId& id) {
   ahead_.erase(it);
 }
 
-// See [Note: parameter read-ahead].
-void NvmeParameterSwapper::issue_ahead() {
+// See [Note: parameter read-ahead]. Never throws: a read-ahead that cannot
+// start (no memory for its buffer, a refused submission) only ends the
+// read-ahead for this iteration, and the read it would have served then runs
+// on demand and reports the failure, if it persists, where it is needed. A
+// throw here would also unwind read() past a transfer still in flight.
+void NvmeParameterSwapper::issue_ahead() noexcept {
   const auto limit = static_cast<size_t>(offload_.buffer_count());
-  for (size_t next = cursor_; next < plan_.size() && ahead_.size() < limit; ++next) {
-    const BucketId& id = plan_[next];
-    const Slot& slot = slots_[id.first][id.second];
-    if (!slot.on_nvme || ahead_.count(id) != 0) {
-      continue;
+  try {
+    for (size_t next = cursor_; next < plan_.size() && ahead_.size() < limit; ++next) {
+      const BucketId& id = plan_[next];
+      const Slot& slot = slots_[id.first][id.second];
+      if (!slot.on_nvme || ahead_.count(id) != 0) {
+        continue;
+      }
+      Ahead ahead;
+      ahead.buffer = new_buffer(slot, id.first);
+      ahead.ticket = submit(IoOp::kRead, slot, ahead.buffer);
+      ahead_.emplace(id, std::move(ahead));
+      ahead_bytes_ += slot.slot_bytes;
+      peak_ahead_bytes_ = std::max(peak_ahead_bytes_, ahead_bytes_);
     }
-    Ahead ahead;
-    ahead.buffer = new_buffer(slot, id.first);
-    ahead.ticket = submit(IoOp::kRead, slot, ahead.buffer);
-    ahead_.emplace(id, std::move(ahead));
-    ahead_bytes_ += slot.slot_bytes;
-    peak_ahead_bytes_ = std::max(peak_ahead_bytes_, ahead_bytes_);
+  } catch (const std::exception&) {
+    following_ = false;
   }
 }
 
@@ -162,12 +177,19 @@ at::Tensor NvmeParameterSwapper::read(size_t group, size_t bucket) {
   if (trace_.size() < kMaxTrace) {
     trace_.push_back(id);
   }
-  if (following_) {
-    if (cursor_ < plan_.size() && plan_[cursor_] == id) {
-      ++cursor_;
-    } else {
-      following_ = false;  // the plan no longer says what comes next
+  if (!plan_.empty()) {
+    // Where this read is in the plan: next in line, or a little further on
+    // (the plan skipped a read this iteration does not make).
+    const size_t end = std::min(plan_.size(), cursor_ + kResyncWindow);
+    const auto found = std::find(plan_.begin() + static_cast<std::ptrdiff_t>(cursor_),
+                                 plan_.begin() + static_cast<std::ptrdiff_t>(end), id);
+    following_ = found != plan_.begin() + static_cast<std::ptrdiff_t>(end);
+    if (following_) {
+      cursor_ = static_cast<size_t>(found - plan_.begin()) + 1;
     }
+  }
+  if (pending_ && pending_->group == group && pending_->bucket == bucket) {
+    flush();  // the read must see every write
   }
   const Slot& slot = slots_[group][bucket];
   if (!slot.on_nvme) {
@@ -212,25 +234,80 @@ void NvmeParameterSwapper::write(size_t group, int64_t offset, const at::Tensor&
   }
 }
 
+// [Note: coalesced parameter writes]
+// The step writes a group's shard sub-group by sub-group, in ascending order,
+// and sub-groups cut buckets: writing each piece through its own
+// read-patch-write of the slot would move every cut bucket's slot three or
+// four times. Instead the bucket being written is assembled in one buffer
+// (pending_) while its pieces arrive contiguously from its start, and goes to
+// disk once, when complete or when a write to another bucket, a read of it,
+// or flush() comes. A piece that leaves a gap (a run the step skipped, whose
+// values must survive) first merges the slot's stored values in; so does a
+// flush of an incomplete bucket.
 void NvmeParameterSwapper::write_slot(size_t group, size_t bucket, int64_t begin,
                                       const at::Tensor& values) {
   Slot& slot = slots_[group][bucket];
+  const int64_t n = values.numel();
   if (!slot.on_nvme) {
-    slot.host.narrow(0, begin, values.numel()).copy_(values);
+    slot.host.narrow(0, begin, n).copy_(values);
     return;
   }
   cancel_ahead({group, bucket});
-  at::Tensor buffer = new_buffer(slot, group);
-  if (begin != 0 || values.numel() != slot.numel) {
-    // Part of a slot (a step's sub-group may cut a bucket): read, patch and
-    // write the whole slot, so that every transfer stays on the direct path.
-    wait(submit(IoOp::kRead, slot, buffer));
+  if (pending_ && (pending_->group != group || pending_->bucket != bucket)) {
+    flush();
   }
-  buffer.narrow(0, begin, values.numel()).copy_(values);
-  wait(submit(IoOp::kWrite, slot, buffer));
+  if (!pending_) {
+    if (begin == 0 && n == slot.numel) {  // a whole slot: straight to disk
+      at::Tensor buffer = new_buffer(slot, group);
+      buffer.narrow(0, 0, n).copy_(values);
+      wait(submit(IoOp::kWrite, slot, buffer));
+      return;
+    }
+    pending_ = Pending{group, bucket, new_buffer(slot, group), 0, false};
+  }
+  Pending& pending = *pending_;
+  if (!pending.merged && begin != pending.covered) {
+    merge_stored_values();
+  }
+  pending.buffer.narrow(0, begin, n).copy_(values);
+  if (!pending.merged) {
+    pending.covered = begin + n;
+    if (pending.covered == slot.numel) {
+      flush();
+    }
+  }
+}
+
+void NvmeParameterSwapper::merge_stored_values() {
+  Pending& pending = *pending_;
+  const Slot& slot = slots_[pending.group][pending.bucket];
+  at::Tensor stored = new_buffer(slot, pending.group);
+  wait(submit(IoOp::kRead, slot, stored));
+  stored.narrow(0, 0, pending.covered).copy_(pending.buffer.narrow(0, 0, pending.covered));
+  pending.buffer = std::move(stored);
+  pending.merged = true;
+}
+
+void NvmeParameterSwapper::flush() {
+  if (!pending_) {
+    return;
+  }
+  // Whatever happens, the bucket is no longer pending (a failed write is the
+  // caller's error to report; the step then is incomplete).
+  Pending pending = std::move(*pending_);
+  pending_.reset();
+  const Slot& slot = slots_[pending.group][pending.bucket];
+  if (!pending.merged && pending.covered < slot.numel) {
+    pending_ = std::move(pending);
+    merge_stored_values();
+    pending = std::move(*pending_);
+    pending_.reset();
+  }
+  wait(submit(IoOp::kWrite, slot, pending.buffer));
 }
 
 void NvmeParameterSwapper::end_iteration() {
+  flush();
   while (!ahead_.empty()) {
     cancel_ahead(ahead_.begin()->first);
   }

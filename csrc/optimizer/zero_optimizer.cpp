@@ -519,6 +519,9 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   if (overflow) {
     // Every rank saw the flag: nothing is updated anywhere.
     skipped_steps_ += 1;
+    if (param_swapper_) {
+      param_swapper_->end_iteration();
+    }
     if (gatherer_) {
       gatherer_->after_step();
     }

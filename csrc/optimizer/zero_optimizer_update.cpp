@@ -93,6 +93,19 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       }
     }
   }
+  if (param_swapper_) {
+    try {
+      param_swapper_->flush();  // the last bucket the step wrote
+    } catch (const c10::Error& e) {
+      if (nvme_error.empty()) {
+        nvme_error = e.what_without_backtrace();
+      }
+    } catch (const std::exception& e) {
+      if (nvme_error.empty()) {
+        nvme_error = e.what();
+      }
+    }
+  }
   if (nvme) {
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the

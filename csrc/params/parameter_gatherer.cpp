@@ -132,8 +132,10 @@ void ParameterGatherer::maybe_release(size_t g, size_t b) {
 void ParameterGatherer::gather(size_t g, size_t b, bool wait) {
   BucketState& bucket = state(g, b);
   if (!bucket.materialized) {
-    allocate(bucket);
+    // The shard first: if it cannot be had (an NVMe read fails) the bucket
+    // stays released instead of looking gathered with nothing behind it.
     at::Tensor input = shard_of_(g, b);
+    allocate(bucket);
     bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
   }
   if (wait) {

@@ -55,34 +55,46 @@ def resolve_auto(
     """
     num_params, largest_unit = count_model(model)
     world_size = dist.get_world_size(process_group)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    nccl = dist.get_backend(process_group) == "nccl"
-    device_is_host = not nccl
-    host = _host_available_bytes()
-    device = 0.0
-    if not device_is_host:
-        device = float(torch.cuda.mem_get_info()[0])
-    if memory_limit is not None:
-        limit = parse_bytes(memory_limit)
-        if device_is_host:
-            host = min(host, limit * ranks_per_node)
-        else:
-            device = min(device, limit)
+    params = list(model.parameters())
+    meta = any(p.is_meta for p in params)
+    backend = str(dist.get_backend(process_group))
+    # The training device: the parameters' (a meta model is materialized on
+    # the GPU when the group has NCCL).
+    on_gpu = any(p.is_cuda for p in params) or (meta and "nccl" in backend)
+    ranks_per_node = float(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    # Measured before any collective; a rank that cannot measure plans for
+    # nothing (0), and the agreed minimum makes every rank fail alike.
+    host = device = 0.0
+    try:
+        host = _host_available_bytes()
+        if on_gpu:
+            device = float(torch.cuda.mem_get_info()[0])
+        if memory_limit is not None:
+            limit = parse_bytes(memory_limit)
+            host = min(host, limit * ranks_per_node) if not on_gpu else host
+            device = min(device, limit) if on_gpu else device
+    except (OSError, RuntimeError, ValueError):
+        host = device = 0.0
     disk = _disk_free_bytes(tuple(parsed.nvme_paths))
-    # The minimum over ranks (disk: -1 anywhere means no NVMe for anyone).
+    # The minimum over ranks (disk: -1 anywhere means no NVMe for anyone);
+    # ranks per node, the largest any rank reports.
     agreed = torch.tensor(
-        [device, host, disk], dtype=torch.float64, device="cuda" if nccl else "cpu"
+        [device, host, disk, -ranks_per_node],
+        dtype=torch.float64,
+        device="cuda" if "nccl" in backend else "cpu",
     )
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
-    device, host, disk = (float(x) for x in agreed.cpu())
+    device, host, disk, ranks = (float(x) for x in agreed.cpu())
     decision = parsed.resolve_auto(
         float(num_params),
         float(largest_unit),
-        ranks_per_node,
+        int(-ranks),
         device,
         host,
         disk,
-        device_is_host,
+        not on_gpu,
+        # Only stage 3 builds meta models and has units.
+        meta or bool(parsed.unit_classes),
     )
     if dist.get_rank(process_group) == 0:
         print(f"[zeroshard] {decision}", flush=True)

@@ -54,6 +54,10 @@ TEST(NvmeParameterSwapperTest, WritesThatCutBucketsReadBack) {
   for (int64_t offset = 0; offset < shard; offset += 997) {
     swapper.write(0, offset, values.narrow(0, offset, std::min<int64_t>(997, shard - offset)));
   }
+  // Each bucket was assembled from its pieces and written once, nothing read.
+  swapper.flush();
+  EXPECT_EQ(swapper.bytes_written(), (1 + 1 + 3 + 2) * 4096);
+  EXPECT_EQ(swapper.bytes_read(), 0);
   for (size_t b = 0; b < 4; ++b) {
     const Bucket& bucket = layout.group(0).buckets()[b];
     EXPECT_TRUE(swapper.on_nvme(0, b));
@@ -61,9 +65,19 @@ TEST(NvmeParameterSwapperTest, WritesThatCutBucketsReadBack) {
         at::equal(swapper.read(0, b), values.narrow(0, bucket.shard_offset, bucket.shard_numel)))
         << "bucket " << b;
   }
+  // Pieces with a gap (a run the step skipped): the stored values fill it.
+  const Bucket& two = layout.group(0).buckets()[2];
+  const at::Tensor head = at::randn({100});
+  const at::Tensor tail = at::randn({100});
+  swapper.write(0, two.shard_offset, head);
+  swapper.write(0, two.shard_offset + 200, tail);
+  at::Tensor expected = values.narrow(0, two.shard_offset, two.shard_numel).clone();
+  expected.narrow(0, 0, 100).copy_(head);
+  expected.narrow(0, 200, 100).copy_(tail);
+  EXPECT_TRUE(at::equal(swapper.read(0, 2), expected));
   // Slots are whole 4 KiB pages: 4000, 1400, 10000 and 6000 bytes.
   EXPECT_EQ(swapper.disk_bytes(), (1 + 1 + 3 + 2) * 4096);
-  EXPECT_EQ(swapper.reads_on_demand(), 4);
+  EXPECT_EQ(swapper.reads_on_demand(), 5);
 }
 
 TEST(NvmeParameterSwapperTest, ReadAheadFollowsThePlanAndNeverServesStaleValues) {
@@ -102,8 +116,9 @@ TEST(NvmeParameterSwapperTest, ReadAheadFollowsThePlanAndNeverServesStaleValues)
   EXPECT_EQ(swapper.reads_on_demand(), 4 + 1);
   EXPECT_EQ(swapper.peak_ahead_bytes(), 12288 + 8192);
 
-  // Leaving the plan stops the read-ahead for the rest of the iteration:
-  // what was read ahead still serves, nothing more is read.
+  // A read further on in the plan skips ahead to it (here past the end, so
+  // nothing more is read); one the plan does not foresee stops the
+  // read-ahead. What was read ahead still serves.
   swapper.end_iteration();
   swapper.read(0, 3);
   EXPECT_EQ(swapper.reads_on_demand(), 6);

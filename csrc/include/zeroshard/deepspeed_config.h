@@ -169,9 +169,12 @@ bool has_auto_settings(const DeepSpeedConfig& config);
 // Precision, optimizer, sub_group_size and the offload sections' keys come from the config.
 // Returns the decision and the figures behind it; throws c10::ValueError with those figures,
 // naming what is short, when nothing fits.
+// `needs_stage3`: the model can only train at stage 3 (built on the meta device, or stage-3
+// settings such as unit_classes given). NVMe parameter offload is tried only where the largest
+// unit's shard fits offload_param.buffer_size.
 std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
                                        double largest_unit_params, int64_t ranks_per_node,
-                                       const AvailableMemory& available);
+                                       const AvailableMemory& available, bool needs_stage3 = false);
 
 // The learning rate DeepSpeed's scheduler (deepspeed/runtime/lr_schedules.py) sets when its
 // last_batch_iteration is `step`, for an optimizer whose configured lr is `base_lr`; base_lr

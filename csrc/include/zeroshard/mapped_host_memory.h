@@ -4,8 +4,8 @@
 // raises that threshold (up to 32 MiB) each time such a block is freed; after
 // that, freed blocks of the same size stay in the heap and in the process's
 // RSS. The library's own large, short-lived host buffers (gathered stage-3
-// units on a CPU device, NVMe transfer buffers, asynchronous checkpoint
-// copies) therefore come from anonymous mappings of their own: page aligned
+// units and reduce-scatter staging on a CPU device, NVMe parameter transfer
+// buffers) therefore come from anonymous mappings of their own: page aligned
 // (what O_DIRECT needs) and unmapped when the last reference goes, whatever
 // the allocator's thresholds or the environment.
 #pragma once

@@ -18,9 +18,10 @@
 // An iteration's gathers ask for the buckets in the order the previous one
 // did (the gatherer's prefetch plan follows the same order, one level up).
 // The swapper records the order of read() calls between two end_iteration()
-// calls (the step) and, while the current iteration follows it, keeps the
-// reads of the next planned NVMe buckets in flight (from the step on, for the
-// first ones), at most buffer_count of them, each in
+// calls (the step) and, while the current iteration follows it (a read found
+// next in line, or a few places further on), keeps the reads of the next
+// planned NVMe buckets in flight (from the step on, for the first ones), at
+// most buffer_count of them, each in
 // a buffer of its own (offload_param.buffer_size elements at most). A write
 // to a bucket (the step, initialization) first cancels its read-ahead, so a
 // read never returns values older than the last write. Host memory for
@@ -42,6 +43,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,8 +66,13 @@ class NvmeParameterSwapper {
   // buffer is freed with it); for a host bucket it is the stored shard itself.
   at::Tensor read(size_t group, size_t bucket);
   // Writes `values` to [offset, offset + numel) of the group's shard (shard
-  // coordinates; the range may span buckets and cut them).
+  // coordinates; the range may span buckets and cut them). A bucket written
+  // in pieces reaches the disk once, when complete or at the next flush()
+  // (see [Note: coalesced parameter writes] in the .cpp); reads see it either way.
   void write(size_t group, int64_t offset, const at::Tensor& values);
+  // Writes the bucket still being assembled, if any (the step calls it
+  // last, so that its failures are the step's).
+  void flush();
   // After the step: the reads since the last call become the read-ahead
   // plan of the next iteration, whose first reads start now (reads still
   // ahead from this iteration are dropped).
@@ -103,13 +110,21 @@ class NvmeParameterSwapper {
     at::Tensor buffer;
     IoTicket ticket = 0;
   };
+  struct Pending {
+    size_t group = 0;
+    size_t bucket = 0;
+    at::Tensor buffer;    // the whole slot
+    int64_t covered = 0;  // [0, covered) written, unless merged
+    bool merged = false;  // holds the stored values everywhere else
+  };
 
   at::Tensor new_buffer(const Slot& slot, size_t group) const;
   IoTicket submit(IoOp op, const Slot& slot, const at::Tensor& buffer);
   void wait(IoTicket ticket);
   void cancel_ahead(const BucketId& id);
-  void issue_ahead();
+  void issue_ahead() noexcept;
   void write_slot(size_t group, size_t bucket, int64_t begin, const at::Tensor& values);
+  void merge_stored_values();
   void release_resources() noexcept;
 
   OffloadOptions offload_;
@@ -121,6 +136,7 @@ class NvmeParameterSwapper {
   std::unique_ptr<IoEngine> engine_;
   std::shared_ptr<IoFile> file_;
   std::map<BucketId, Ahead> ahead_;
+  std::optional<Pending> pending_;
   int64_t ahead_bytes_ = 0;
   int64_t peak_ahead_bytes_ = 0;
   std::vector<BucketId> plan_;   // the previous iteration's reads
