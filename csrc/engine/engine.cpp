@@ -64,6 +64,12 @@ std::string TelemetryRecord::to_line() const {
   if (comm_mib_per_step > 0) {
     out << " comm_MiB_per_step=" << comm_mib_per_step;
   }
+  if (nvme) {
+    out << " nvme_read_MiB=" << nvme_read_bytes / 1048576.0
+        << " nvme_written_MiB=" << nvme_written_bytes / 1048576.0
+        << " nvme_wait=" << 100 * nvme_wait_share << "%"
+        << " nvme_GB_per_s=" << nvme_gb_per_s;
+  }
   return out.str();
 }
 
@@ -77,7 +83,13 @@ std::string TelemetryRecord::to_json() const {
       << ", \"model_state_bytes\": " << model_state_bytes
       << ", \"peak_rss_bytes\": " << peak_rss_bytes
       << ", \"device_peak_bytes\": " << device_peak_bytes
-      << ", \"comm_mib_per_step\": " << comm_mib_per_step << "}";
+      << ", \"comm_mib_per_step\": " << comm_mib_per_step;
+  if (nvme) {
+    out << ", \"nvme_read_bytes\": " << nvme_read_bytes
+        << ", \"nvme_written_bytes\": " << nvme_written_bytes
+        << ", \"nvme_wait_share\": " << nvme_wait_share << ", \"nvme_gb_per_s\": " << nvme_gb_per_s;
+  }
+  out << "}";
   return out.str();
 }
 
@@ -98,6 +110,17 @@ Engine::Engine(ZeroOptimizer& optimizer, DeepSpeedConfig config)
   // Telemetry counts from here: construction's collectives are not training.
   wait_s_at_last_line_ = optimizer_.communicator().stats().wait_seconds;
   comm_bytes_at_last_line_ = optimizer_.communicator().stats().total_bytes();
+  // The swap spaces' construction-time writes are not a step's.
+  if (const NvmeStateSwapper* states = optimizer_.nvme_swapper()) {
+    nvme_read_at_last_line_ += states->bytes_read();
+    nvme_written_at_last_line_ += states->bytes_written();
+    nvme_wait_at_last_line_ += states->io_wait_seconds();
+  }
+  if (const NvmeParameterSwapper* params = optimizer_.parameter_swapper()) {
+    nvme_read_at_last_line_ += params->bytes_read();
+    nvme_written_at_last_line_ += params->bytes_written();
+    nvme_wait_at_last_line_ += params->io_wait_seconds();
+  }
   if (optimizer_.communicator().rank() == 0 && config_.zero_stage == 0) {
     std::printf(
         "[zeroshard] zero_optimization.stage 0 runs as stage 1 (same results; the optimizer "
@@ -214,6 +237,34 @@ void Engine::emit_telemetry() {
     record.comm_mib_per_step =
         static_cast<double>(stats.total_bytes() - comm_bytes_at_last_line_) / 1048576.0 / steps;
   }
+  int64_t nvme_read = 0;
+  int64_t nvme_written = 0;
+  double nvme_wait = 0;
+  const NvmeStateSwapper* states = optimizer_.nvme_swapper();
+  const NvmeParameterSwapper* params = optimizer_.parameter_swapper();
+  if (states != nullptr) {
+    nvme_read += states->bytes_read();
+    nvme_written += states->bytes_written();
+    nvme_wait += states->io_wait_seconds();
+  }
+  if (params != nullptr) {
+    nvme_read += params->bytes_read();
+    nvme_written += params->bytes_written();
+    nvme_wait += params->io_wait_seconds();
+  }
+  record.nvme = states != nullptr || params != nullptr;
+  if (record.nvme) {
+    const auto moved = static_cast<double>(nvme_read - nvme_read_at_last_line_ + nvme_written -
+                                           nvme_written_at_last_line_);
+    record.nvme_read_bytes = static_cast<double>(nvme_read - nvme_read_at_last_line_) / steps;
+    record.nvme_written_bytes =
+        static_cast<double>(nvme_written - nvme_written_at_last_line_) / steps;
+    record.nvme_wait_share = busy > 0 ? (nvme_wait - nvme_wait_at_last_line_) / busy : 0;
+    record.nvme_gb_per_s = busy > 0 ? moved / busy / 1e9 : 0;
+  }
+  nvme_read_at_last_line_ = nvme_read;
+  nvme_written_at_last_line_ = nvme_written;
+  nvme_wait_at_last_line_ = nvme_wait;
   forward_s_ = backward_s_ = optimizer_s_ = 0;
   wait_s_at_last_line_ = stats.wait_seconds;
   comm_bytes_at_last_line_ = stats.total_bytes();

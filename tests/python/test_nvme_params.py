@@ -11,6 +11,7 @@ torch.optim within the CPU-offload bound.
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -246,11 +247,15 @@ def test_bad_parameter_offload_settings_fail_on_every_rank(tmp_path: Path) -> No
 # ---- The engine reads DeepSpeed's ZeRO-Infinity config as written ---------------------
 
 
-def _engine_run(rank: int, world_size: int, offload_param: dict[str, Any]) -> dict[str, Any]:
+def _engine_run(
+    rank: int, world_size: int, offload_param: dict[str, Any], telemetry: str
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24))
     config = {
         "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 2,
+        "zeroshard": {"telemetry_file": telemetry},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {
             "stage": 3,
@@ -260,23 +265,47 @@ def _engine_run(rank: int, world_size: int, offload_param: dict[str, Any]) -> di
         },
     }
     engine, optimizer, *_ = zeroshard.initialize(model, config=config)
+    before = optimizer.nvme_stats()
     for step in range(4):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(4, 24, generator=g)[2 * rank : 2 * rank + 2]
         engine.backward(engine(x).pow(2).mean())
         engine.step()
+    after = optimizer.nvme_stats()  # at the last telemetry line (step 4)
     with optimizer.gathered_parameters():
         params = [p.detach().clone() for p in model.parameters()]
-    return {"params": params, "stats": optimizer.nvme_stats()}
+    moved = None
+    if after is not None:
+        moved = {
+            key: after["parameters"][key] - before["parameters"][key]
+            for key in ("bytes_read", "bytes_written")
+        }
+    return {"params": params, "stats": optimizer.nvme_stats(), "moved": moved}
 
 
 def test_engine_runs_deepspeeds_nvme_param_section_as_cpu_offload_does(tmp_path: Path) -> None:
     section = _nvme(tmp_path, buffer_count=5, buffer_size=100_000_000, max_in_cpu=0)
-    nvme = unwrap(run_ranks(2, _engine_run, section))
-    cpu = unwrap(run_ranks(2, _engine_run, {"device": "cpu"}))
+    telemetry = tmp_path / "telemetry.jsonl"
+    nvme = unwrap(run_ranks(2, _engine_run, section, str(telemetry)))
+    cpu = unwrap(run_ranks(2, _engine_run, {"device": "cpu"}, str(tmp_path / "cpu.jsonl")))
     for rank in range(2):
         stats = nvme[rank]["stats"]["parameters"]
         print(f"rank {rank}: {stats}")
         assert stats["bytes_written"] > 0 and stats["reads_ahead"] > 0
         assert cpu[rank]["stats"] is None
         assert _max_diff(nvme[rank]["params"], cpu[rank]["params"]) == 0.0
+    # Rank 0's telemetry: per-step NVMe bytes over two lines of two steps each
+    # add up to what the swap space counted over the four steps. Writes are
+    # waited for within the step; the reads the step starts for the next
+    # iteration (at most buffer_count slots of 4 KiB) may complete after the
+    # last line.
+    lines = [json.loads(line) for line in telemetry.read_text().splitlines()]
+    print(lines)
+    assert [line["step"] for line in lines] == [2, 4]
+    moved = nvme[0]["moved"]
+    assert sum(2 * line["nvme_written_bytes"] for line in lines) == moved["bytes_written"]
+    read = sum(2 * line["nvme_read_bytes"] for line in lines)
+    assert 0 < read <= moved["bytes_read"] <= read + 5 * 4096
+    for line in lines:
+        assert 0 <= line["nvme_wait_share"] <= 1 and line["nvme_gb_per_s"] > 0
+    assert "nvme_read_bytes" not in (tmp_path / "cpu.jsonl").read_text()

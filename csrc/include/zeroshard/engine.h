@@ -57,7 +57,15 @@ struct TelemetryRecord {
   int64_t peak_rss_bytes = 0;      // process peak resident set (VmHWM)
   int64_t device_peak_bytes = -1;  // e.g. CUDA max allocated, when a source is set
   double comm_mib_per_step = 0;    // wall_clock_breakdown only
-  std::string to_line() const;     // "step=10 loss=2.3 ..." (key=value, space separated)
+  // NVMe offload (optimizer state and parameter swap spaces together), per
+  // step: bytes read and written, the share of forward + backward + optimizer
+  // time spent waiting for I/O, and the bytes moved per second of that time.
+  bool nvme = false;
+  double nvme_read_bytes = 0;
+  double nvme_written_bytes = 0;
+  double nvme_wait_share = 0;
+  double nvme_gb_per_s = 0;
+  std::string to_line() const;  // "step=10 loss=2.3 ..." (key=value, space separated)
   std::string to_json() const;
 };
 
@@ -149,6 +157,10 @@ class Engine {
   double forward_s_ = 0, backward_s_ = 0, optimizer_s_ = 0;
   double wait_s_at_last_line_ = 0;
   int64_t comm_bytes_at_last_line_ = 0;
+  // NVMe totals (read, written, wait) at the last line; see TelemetryRecord.
+  int64_t nvme_read_at_last_line_ = 0;
+  int64_t nvme_written_at_last_line_ = 0;
+  double nvme_wait_at_last_line_ = 0;
   int64_t steps_at_last_line_ = 0;
   std::optional<TelemetryRecord> last_telemetry_;
   std::function<int64_t()> device_peak_source_;
