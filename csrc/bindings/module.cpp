@@ -207,7 +207,8 @@ NoGilHolder<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
     const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
     const std::vector<py::dict>& group_hyperparameters, const py::dict& zero_options,
-    const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& units) {
+    const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& units,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& replicate_group) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
   const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
@@ -224,8 +225,9 @@ NoGilHolder<ZeroOptimizer> make_zero_optimizer(
   }
   // See [Note: GIL and collectives].
   py::gil_scoped_release release;
-  return NoGilHolder<ZeroOptimizer>(new ZeroOptimizer(param_groups, process_group, *defaults,
-                                                      options, std::move(parameter_units)));
+  return NoGilHolder<ZeroOptimizer>(new ZeroOptimizer(param_groups, process_group, replicate_group,
+                                                      *defaults, options,
+                                                      std::move(parameter_units)));
 }
 
 py::dict comm_stats_dict(const CommStats& stats) {
@@ -385,7 +387,7 @@ PYBIND11_MODULE(_C, m) {
   optimizer_class
       .def(py::init(&zeroshard::make_zero_optimizer), py::arg("param_groups"),
            py::arg("process_group"), py::arg("optimizer"), py::arg("group_hyperparameters"),
-           py::arg("zero_options"), py::arg("units"))
+           py::arg("zero_options"), py::arg("units"), py::arg("replicate_group") = py::none())
       .def(
           "set_hyperparameters",
           [](ZeroOptimizer& self, const std::vector<py::dict>& values) {
@@ -431,6 +433,22 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
           "Where ranks report a failed collective, so errors name the lost ranks.")
+      .def(
+          "set_replica_failure_store",
+          [](ZeroOptimizer& self, const c10::intrusive_ptr<c10d::Store>& store,
+             const std::string& prefix, double report_seconds) {
+            if (zeroshard::Communicator* replicas = self.replica_communicator()) {
+              replicas->set_failure_store(
+                  store, prefix,
+                  std::chrono::milliseconds(static_cast<int64_t>(report_seconds * 1000)));
+            }
+          },
+          py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
+          "set_failure_store for the replicate group (hybrid sharding).")
+      .def("set_tensor_parallel", &ZeroOptimizer::set_tensor_parallel, py::arg("group"),
+           py::arg("sharded"), py::call_guard<py::gil_scoped_release>())
+      .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),
+           py::call_guard<py::gil_scoped_release>())
       .def("retired_work_count",
            [](ZeroOptimizer& self) { return self.communicator().release_finished_work(); })
       .def("set_gradient_sync", &ZeroOptimizer::set_gradient_sync, py::arg("enabled"))
@@ -480,7 +498,19 @@ PYBIND11_MODULE(_C, m) {
            [](ZeroOptimizer& self) {
              return zeroshard::comm_stats_dict(self.communicator().stats());
            })
-      .def("reset_comm_stats", [](ZeroOptimizer& self) { self.communicator().reset_stats(); })
+      .def("replica_comm_stats",
+           [](ZeroOptimizer& self) {
+             zeroshard::Communicator* replicas = self.replica_communicator();
+             return zeroshard::comm_stats_dict(replicas ? replicas->stats()
+                                                        : zeroshard::CommStats{});
+           })
+      .def("reset_comm_stats",
+           [](ZeroOptimizer& self) {
+             self.communicator().reset_stats();
+             if (zeroshard::Communicator* replicas = self.replica_communicator()) {
+               replicas->reset_stats();
+             }
+           })
       .def("set_event_log_enabled",
            [](ZeroOptimizer& self, bool enabled) {
              self.communicator().set_event_log_enabled(enabled);
@@ -518,6 +548,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", [](ZeroOptimizer& self) { return self.communicator().rank(); })
       .def_property_readonly("world_size",
                              [](ZeroOptimizer& self) { return self.communicator().world_size(); })
+      .def_property_readonly("data_parallel_world_size", &ZeroOptimizer::data_parallel_world_size)
       .def_property_readonly("layout_fingerprint",
                              [](const ZeroOptimizer& self) { return self.layout().fingerprint(); })
       .def(

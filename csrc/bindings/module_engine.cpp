@@ -95,6 +95,7 @@ void bind_engine(py::module_& m) {
                     &DeepSpeedConfig::train_micro_batch_size_per_gpu)
       .def_readonly("gradient_accumulation_steps", &DeepSpeedConfig::gradient_accumulation_steps)
       .def_readonly("zero_stage", &DeepSpeedConfig::zero_stage)
+      .def_readonly("shard_group_size", &DeepSpeedConfig::shard_group_size)
       .def_readonly("gradient_clipping", &DeepSpeedConfig::gradient_clipping)
       .def_readonly("steps_per_print", &DeepSpeedConfig::steps_per_print)
       .def_readonly("unsupported", &DeepSpeedConfig::unsupported)

@@ -240,11 +240,16 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
       flag(out, zero.path(key), true, "ignoring it keeps zeroshard's own checkpoint format");
     }
   }
-  const int64_t hpz = zero.integer("zero_hpz_partition_size", 1, 0);
-  if (hpz > 1) {
-    flag(out, zero.path("zero_hpz_partition_size"), hpz,
-         "ZeRO++ hierarchical partitioning; ignoring it changes traffic, not results");
-  }
+  // DeepSpeed's ZeRO++ hpZ keeps a secondary copy of the parameters per group
+  // of ranks; zeroshard reads the key as FSDP2's hybrid sharding, which gives
+  // the same all-gathers within the group (and shards the optimizer state
+  // within it too). 0 and 1 both mean no groups.
+  out.shard_group_size = std::max<int64_t>(1, zero.integer("zero_hpz_partition_size", 1, 0));
+  TORCH_CHECK_VALUE(out.world_size % out.shard_group_size == 0,
+                    zero.path("zero_hpz_partition_size"), " = ", out.shard_group_size,
+                    " must divide the world size ", out.world_size,
+                    " (the ranks are split into groups of that many, each holding one sharded "
+                    "copy of the state)");
   for (const char* key : {"zero_quantized_weights", "zero_quantized_nontrainable_weights",
                           "zero_quantized_gradients"}) {
     if (zero.boolean(key, false)) {

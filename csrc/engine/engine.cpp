@@ -44,8 +44,31 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(std::vector<at::Tensor> params,
                                               c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                               const DeepSpeedConfig& config,
                                               std::vector<ParameterUnit> units) {
+  return make_optimizer(std::move(params), std::move(process_group), {}, config, std::move(units));
+}
+
+std::unique_ptr<ZeroOptimizer> make_optimizer(
+    std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, const DeepSpeedConfig& config,
+    std::vector<ParameterUnit> units) {
+  TORCH_CHECK_VALUE(process_group, "make_optimizer needs a process group; got a null one");
+  const int64_t shard_size = process_group->getSize();
+  const int64_t replicas = replicate_group ? replicate_group->getSize() : 1;
+  // zero_hpz_partition_size 1 (or 0): one shard group of every rank.
+  const int64_t expected_shard =
+      config.shard_group_size > 1 ? config.shard_group_size : config.world_size;
+  TORCH_CHECK_VALUE(shard_size == expected_shard && shard_size * replicas == config.world_size,
+                    "the config (world size ", config.world_size, ", zero_hpz_partition_size ",
+                    config.shard_group_size, ") expects shard groups of ", expected_shard,
+                    " ranks and ", config.world_size / expected_shard,
+                    " replicas; got a shard group of ", shard_size, " ranks and ", replicas,
+                    " replicas (build both groups with make_hybrid_gloo_groups, or pass the "
+                    "world group when zero_hpz_partition_size is 1)");
   const auto inner = make_optimizer_options(config);
-  return std::make_unique<ZeroOptimizer>(std::move(params), std::move(process_group), *inner,
+  std::vector<torch::optim::OptimizerParamGroup> groups{
+      torch::optim::OptimizerParamGroup(std::move(params))};
+  return std::make_unique<ZeroOptimizer>(groups, std::move(process_group),
+                                         std::move(replicate_group), *inner,
                                          zero_options_from_config(config), std::move(units));
 }
 

@@ -29,7 +29,18 @@ ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup
     : Optimizer(param_groups, inner_defaults.clone()),
       inner_kind_(inner_optimizer_kind_of(inner_defaults)),
       options_(options) {
-  initialize(std::move(process_group), std::move(units));
+  initialize(std::move(process_group), {}, std::move(units));
+}
+
+ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                             c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
+                             const torch::optim::OptimizerOptions& inner_defaults,
+                             ZeroOptions options, std::vector<ParameterUnit> units)
+    : Optimizer(param_groups, inner_defaults.clone()),
+      inner_kind_(inner_optimizer_kind_of(inner_defaults)),
+      options_(options) {
+  initialize(std::move(process_group), std::move(replicate_group), std::move(units));
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
@@ -54,10 +65,17 @@ ZeroOptimizer::ZeroOptimizer(std::vector<at::Tensor> params,
           std::move(process_group), inner_defaults, options, std::move(units)) {}
 
 void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                               c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
                                std::vector<ParameterUnit> units) {
   TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
+  TORCH_CHECK_VALUE(!replicate_group || replicate_group.get() != process_group.get(),
+                    "replicate_group is the shard group itself; hybrid sharding needs the "
+                    "group of ranks holding the same shard in the other shard groups");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
   comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
+  if (replicate_group && replicate_group->getSize() > 1) {
+    replica_comm_ = std::make_unique<Communicator>(std::move(replicate_group));
+  }
   const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
                           ? at::Tensor()
                           : param_groups_[0].params()[0];
@@ -87,7 +105,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   }
   // Usually every rank passes the same arguments and fails alike; if only some
   // do, the others must not wait for them in the first collective.
-  comm_->raise_if_any_rank_failed(error, "construct its ZeroOptimizer", device_);
+  raise_if_any_rank_failed(error, "construct its ZeroOptimizer");
 
   std::vector<std::vector<int64_t>> numels;
   for (const auto& group : param_groups_) {
@@ -342,6 +360,7 @@ void ZeroOptimizer::build_group_shards() {
     }
     comm_->broadcast(shard.flat_param, options_.broadcast_from_rank(),
                      "group" + std::to_string(g) + "/initial_params");
+    broadcast_across_replicas(shard.flat_param, "group" + std::to_string(g) + "/initial_params");
     // The model's parameters become views into the flat buffer, so the
     // all-gather after each step writes them with no extra copy.
     for (size_t i = 0; i < params.size(); ++i) {
@@ -405,6 +424,7 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
       }
       comm_->broadcast(full, options_.broadcast_from_rank(),
                        "group" + std::to_string(g) + "/initial_params");
+      broadcast_across_replicas(full, "group" + std::to_string(g) + "/initial_params");
       gatherer_->mark_initialized(g, b);
     }
     const at::Tensor mine = full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel);

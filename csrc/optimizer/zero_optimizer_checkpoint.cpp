@@ -154,8 +154,8 @@ json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& optio
   return index;
 }
 
-void ZeroOptimizer::save_checkpoint(const std::string& path_in,
-                                    const CheckpointSaveOptions& options) {
+void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
+                                           const CheckpointSaveOptions& options) {
   // One save at a time: the previous asynchronous one first; its failure is
   // reported through the first agreement, so every rank raises together.
   std::string error = finish_pending_checkpoint();

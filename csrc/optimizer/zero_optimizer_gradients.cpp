@@ -116,6 +116,7 @@ bool ZeroOptimizer::stage1_copies_current() {
   }
   at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt).to(device());
   comm_->all_reduce_max(stale, "stage1_overlap_check");
+  max_across_replicas(stale, "stage1_overlap_check");
   return stale.cpu().item<int32_t>() == 0;
 }
 
@@ -204,14 +205,15 @@ void ZeroOptimizer::finish_gradient_reduction() {
                     /*force_round=*/true);
   }
   buckets_->wait_all();
+  reduce_gradient_shards_across_replicas();
   // Gloo has no AVG: sum, then divide; and undo the loss scale. With offload
   // the host kernel applies the factor in its one pass over the gradient.
-  const double average = 1.0 / (static_cast<double>(comm_->world_size()) * loss_scale_);
+  const double divisor = static_cast<double>(data_parallel_world_size()) * loss_scale_;
   if (offloaded_) {
-    grad_shard_scale_ = average;
+    grad_shard_scale_ = 1.0 / divisor;
   } else {
     for (auto& shard : shards_) {
-      shard.grad_shard.div_(static_cast<double>(comm_->world_size()) * loss_scale_);
+      shard.grad_shard.div_(divisor);
     }
   }
   gradients_reduced_ = true;
@@ -221,12 +223,24 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
-  at::Tensor squares = at::zeros({1}, fp32_options());
-  for (const auto& shard : shards_) {
-    squares.add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
+  // [pieces of tensor-parallel splits, everything else]: see set_tensor_parallel.
+  at::Tensor squares = at::zeros({2}, fp32_options());
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    const GroupShards& shard = shards_[g];
+    if (!tensor_parallel_comm_) {
+      squares[1].add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
+      continue;
+    }
+    for (const ShardSegment& segment : shard.segments) {
+      const bool split = tensor_parallel_sharded_[g][segment.param_index];
+      squares[split ? 0 : 1].add_(shard.grad_shard.narrow(0, segment.shard_offset, segment.numel)
+                                      .to(at::kFloat)
+                                      .pow(2)
+                                      .sum());
+    }
   }
   comm_->all_reduce_sum(squares, "grad_norm");
-  at::Tensor total_norm = squares.sqrt().squeeze(0);
+  at::Tensor total_norm = sum_squares_across_tensor_parallel(squares).sqrt();
   if (offloaded_) {
     total_norm.mul_(grad_shard_scale_);  // the shard holds unscaled sums
   }
@@ -288,6 +302,8 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflo
   }
   flags = flags.to(device());
   comm_->all_reduce_max(flags, "grad_presence");
+  max_across_replicas(flags, "grad_presence");         // a parameter unused on one replica only
+  max_across_tensor_parallel(flags, "grad_presence");  // inf/NaN in one piece skips all
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
   *overflow = data[total] != 0;

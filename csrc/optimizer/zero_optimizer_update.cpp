@@ -110,8 +110,12 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the
     // next collective.
-    const std::string agreed = checkpoint_detail::combined_error(
+    std::string agreed = checkpoint_detail::combined_error(
         checkpoint_detail::all_gather_strings(*comm_, nvme_error, device_, "nvme_step"));
+    if (replica_comm_) {
+      agreed = checkpoint_detail::combined_error(
+          checkpoint_detail::all_gather_strings(*replica_comm_, agreed, device_, "nvme_step"));
+    }
     TORCH_CHECK(agreed.empty(),
                 "could not update the optimizer state or parameters on NVMe (this step is "
                 "incomplete; resume from the last checkpoint): ",

@@ -124,6 +124,7 @@ void ZeroOptimizer::check_layout_agrees_across_ranks() {
   at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
   extremes = extremes.to(device());
   comm_->all_reduce_max(extremes, "layout_check");
+  max_across_replicas(extremes, "layout_check");
   extremes = extremes.cpu();
   const int64_t max_fp = extremes[0].item<int64_t>();
   const int64_t min_fp = -extremes[1].item<int64_t>();

@@ -22,6 +22,7 @@ from torch import nn
 
 from zeroshard import _C, deepspeed_migration
 from zeroshard.auto import resolve_auto
+from zeroshard.groups import data_parallel_groups, hybrid_groups
 from zeroshard.optimizer import _IN_FLIGHT, ZeroOptimizer
 from zeroshard.units import resolve_unit_classes
 
@@ -133,6 +134,7 @@ class Engine:
         save or load, ``wait_for_checkpoint()`` or exit waits for it).
         Returns the checkpoint's path.
         """
+        self.optimizer._refuse_tensor_parallel_checkpoint()
         replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
         if client_state is not None:
             replicated_files["client_state.pt"] = _to_bytes(client_state)
@@ -178,6 +180,7 @@ class Engine:
         and reused while the DeepSpeed files are unchanged) and every rank
         loads that.
         """
+        self.optimizer._refuse_tensor_parallel_checkpoint()
         tag = self._deepspeed_tag(load_dir, tag)
         loaded = self._impl.load_checkpoint(
             os.fspath(load_dir),
@@ -310,6 +313,8 @@ def initialize(
     config: str | os.PathLike | dict[str, Any] | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    mesh: Any = None,
+    mpu: Any = None,
     unit_classes: Sequence[type[nn.Module]] = (),
     param_init_fn: Callable[[nn.Module], None] | None = None,
     check_collective_order: bool = True,
@@ -330,18 +335,27 @@ def initialize(
     the memory per rank it plans for); rank 0 prints the decision and the
     figures behind it, and every rank raises ``ValueError`` naming what is
     short when nothing fits.
+
+    The data-parallel ranks are ``process_group``'s, a ``mesh``'s (a 1-D
+    ``DeviceMesh``, or 2-D (replicate, shard) for hybrid sharding), or
+    DeepSpeed's ``mpu.get_data_parallel_group()``; the default group if none
+    is given. ``zero_optimization.zero_hpz_partition_size`` > 1 splits them
+    into shard groups of that many consecutive ranks, replicated across
+    groups (hybrid sharding, see :mod:`zeroshard.groups`). The batch-size
+    rule counts every data-parallel rank.
     """
     if config is None:
         raise ValueError("zeroshard.initialize needs config= (a DeepSpeed JSON path or dict)")
-    if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "zeroshard.initialize needs torch.distributed.init_process_group() first "
-                "(torchrun sets up the environment for it) or process_group="
+    groups = data_parallel_groups(process_group, mesh, None, mpu)
+    parsed = _load_config(config, groups.world_size)
+    if parsed.shard_group_size > 1:
+        if groups.replicate is not None:
+            raise ValueError(
+                "zero_optimization.zero_hpz_partition_size splits the data-parallel group "
+                "into shard groups; the mesh given is hybrid already. Use one of the two"
             )
-        process_group = dist.group.WORLD
-    world_size = dist.get_world_size(process_group)
-    parsed = _load_config(config, world_size)
+        groups = hybrid_groups(parsed.shard_group_size, groups.shard)
+    process_group = groups.shard
     if parsed.has_auto_settings():
         resolve_auto(parsed, model, process_group, memory_limit)
     parsed.check_supported()
@@ -362,6 +376,7 @@ def initialize(
         arguments["optimizer"],
         stage,
         process_group,
+        replicate_group=groups.replicate,
         module=model,
         max_norm=max_norm or None,
         check_collective_order=check_collective_order,

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C
+from zeroshard.groups import data_parallel_groups
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.teardown import release_pinned_default_groups
+from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
 
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
@@ -104,6 +106,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             forward and backward and freed right after (needs ``module=``).
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
+        device_mesh: instead of ``process_group``: a 1-D ``DeviceMesh`` to
+            shard over, or a 2-D one read as (replicate, shard) for hybrid
+            sharding (FSDP2's HSDP), dimensions named ``"replicate"`` /
+            ``"shard"`` (or ``"dp_replicate"`` / ``"dp_shard"``) or unnamed.
+        replicate_group: hybrid sharding with ``process_group`` as the shard
+            group: the ranks holding the same shard in the other shard groups.
+            Gradients are reduce-scattered within the shard group and their
+            shards all-reduced across replicas; parameters are all-gathered
+            within the shard group only (see ``zeroshard.groups.hybrid_groups``).
         module: the model. Stage 3 needs it (hooks are registered on its
             submodules); at every stage it names ``full_state_dict()``'s keys.
         unit_classes: stage 3: module classes gathered as one unit (e.g. a
@@ -183,6 +194,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         process_group: dist.ProcessGroup | None = None,
         *,
+        device_mesh: Any = None,
+        replicate_group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
         unit_classes: Sequence[type[torch.nn.Module]] = (),
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
@@ -226,14 +239,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
                     f"{kind!r}; it accepts {sorted(_DEFAULTS[kind])}"
                 )
-        if process_group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    "zeroshard.ZeroOptimizer needs a process group: call "
-                    "torch.distributed.init_process_group() first (torchrun sets up the "
-                    "environment for it) or pass process_group="
-                )
-            process_group = dist.group.WORLD
+        groups = data_parallel_groups(process_group, device_mesh, replicate_group)
+        process_group = groups.shard
         if stage == 3 and module is None:
             raise ValueError(
                 "stage 3 needs module=<the model>: its parameters are gathered by hooks on "
@@ -246,9 +253,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._kind = kind
         self._stage = stage
         self._process_group = process_group
+        self._replicate_group = groups.replicate
         self._module = module
         units = plan_units(module, unit_classes) if stage == 3 and module is not None else []
         self._units = units
+        # DTensor parameters (PyTorch TP): the core shards their local tensors.
+        tp = TensorParallelParameters(self.param_groups)
+        self._tensor_parallel = tp
         zero_options = {
             "stage": int(stage),
             "reduce_bucket_size": int(reduce_bucket_size),
@@ -272,22 +283,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "materialize_device": str(torch.device(materialize_device)),
         }
         self._impl = _C.ZeroOptimizer(
-            [list(group["params"]) for group in self.param_groups],
+            [tp.locals(group["params"]) for group in self.param_groups],
             process_group,
             kind,
             self._hyperparameters(),
             zero_options,
-            [(unit.name, unit.params) for unit in units],
+            [(unit.name, tp.locals(unit.params)) for unit in units],
+            groups.replicate,
         )
         store = _store_of(process_group)
         if store is not None:
             self._impl.set_failure_store(
                 store, _failure_prefix(process_group), float(failure_report_seconds)
             )
+        replica_store = _store_of(groups.replicate) if groups.replicate is not None else None
+        if replica_store is not None:
+            self._impl.set_replica_failure_store(
+                replica_store, _failure_prefix(groups.replicate), float(failure_report_seconds)
+            )
         if module is not None:
             # Checkpoints store states by these names (tied weights: every name).
-            self._impl.set_parameter_names(list(module.named_parameters(remove_duplicate=False)))
+            self._impl.set_parameter_names(
+                [(name, tp.local(p)) for name, p in module.named_parameters(remove_duplicate=False)]
+            )
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._gradient_handles = tp.attach(self, self._impl, stage)
         if stage == 3:
             assert module is not None
             if any(p.is_meta for group in self.param_groups for p in group["params"]):
@@ -295,6 +315,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 units = plan_units(module, unit_classes)  # now over the real parameters
                 self._units = units
             self._hook_handles = register_hooks(self._impl, units, module)
+        if tp.active and any(p.is_meta for group in self.param_groups for p in group["params"]):
+            raise ValueError("tensor-parallel (DTensor) models must be materialized first")
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         keys = _DEFAULTS[self._kind]
@@ -401,6 +423,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         and written by a C++ thread while training goes on; the next save or
         load, ``wait_for_checkpoint()`` or exit waits for it.
         """
+        self._refuse_tensor_parallel_checkpoint()
         self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
@@ -420,8 +443,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         missing file raises ``ValueError`` on every rank before anything
         changes. With ``load_optimizer_states=False`` only the weights load.
         """
+        self._refuse_tensor_parallel_checkpoint()
         self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
         self._sync_hyperparameters()
+
+    def _refuse_tensor_parallel_checkpoint(self) -> None:
+        if self._tensor_parallel.active:
+            # Every tensor-parallel rank would write its pieces under the same
+            # names into the same directory.
+            raise NotImplementedError(
+                "zeroshard checkpoints of tensor-parallel (DTensor) parameters are not "
+                "supported yet; save full_state_dict() (full tensors) instead"
+            )
 
     def _sync_hyperparameters(self) -> None:
         # The C++ core restored the saved hyper-parameters; mirror them here,
@@ -448,7 +481,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         and kept (they become the master weights), as DeepSpeed's
         ``GatheredParameters(modifier_rank=...)``.
         """
-        chosen = list(params) if params is not None else []
+        chosen = self._tensor_parallel.locals(params) if params is not None else []
         self._impl.pin_parameters(chosen)
         try:
             yield
@@ -469,6 +502,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for group, values in zip(self.param_groups, full, strict=True)
             for p, value in zip(group["params"], values, strict=True)
         }
+        if self._tensor_parallel.active:
+            by_id = self._tensor_parallel.full_tensors(by_id)
+            full = [[by_id[id(p)] for p in group["params"]] for group in self.param_groups]
         if self._module is not None:
             return {
                 name: by_id[id(p)]

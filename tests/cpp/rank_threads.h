@@ -40,17 +40,17 @@ inline void WarmUpAtenOnce() {
   });
 }
 
-// Runs fn(rank, group) on `world` threads; returns each rank's error message
-// ("" when it succeeded).
-inline std::vector<std::string> RunRanks(
-    int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
+// Runs body(rank, store) on `world` threads sharing one store; returns each
+// rank's error message ("" when it succeeded).
+inline std::vector<std::string> RunRankThreads(
+    int world, const std::function<void(int, const c10::intrusive_ptr<c10d::Store>&)>& body) {
   WarmUpAtenOnce();
   // torch's FlightRecorder (one per process) reads its per-group status map
   // before taking its lock, so Gloo groups enqueueing from several threads at
   // once can crash inside torch. Ranks as processes don't share it; ranks as
   // threads turn it off before the first group exists.
   setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
@@ -61,8 +61,7 @@ inline std::vector<std::string> RunRanks(
       // could depend on what the other ranks run at the same moment.
       at::set_num_threads(1);
       try {
-        auto group = make_gloo_process_group(store, rank, world, std::chrono::seconds(60));
-        fn(rank, group);
+        body(rank, store);
       } catch (const c10::Error& e) {
         errors[rank] = e.what_without_backtrace();
       } catch (const std::exception& e) {
@@ -74,6 +73,23 @@ inline std::vector<std::string> RunRanks(
     thread.join();
   }
   return errors;
+}
+
+// Runs fn(rank, group) on `world` threads; returns each rank's error message
+// ("" when it succeeded).
+inline std::vector<std::string> RunRanks(
+    int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
+  return RunRankThreads(world, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
+    fn(rank, make_gloo_process_group(store, rank, world, std::chrono::seconds(60)));
+  });
+}
+
+// Hybrid sharding: fn(rank, groups) with shard groups of `shard_size` ranks.
+inline std::vector<std::string> RunHybridRanks(int world, int shard_size,
+                                               const std::function<void(int, HybridGroups)>& fn) {
+  return RunRankThreads(world, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
+    fn(rank, make_hybrid_gloo_groups(store, rank, world, shard_size, std::chrono::seconds(60)));
+  });
 }
 
 }  // namespace zeroshard

@@ -285,20 +285,34 @@ TEST(DeepSpeedConfigTest, ZeroKeysMapToZeroOptions) {
       "zero_optimization.prefetch_bucket_size");
 }
 
+TEST(DeepSpeedConfigTest, HpzPartitionSizeIsTheShardGroupOfHybridSharding) {
+  auto with_hpz = [](int64_t hpz, int64_t world) {
+    return parse_deepspeed_config(
+        Config({{"zero_optimization", {{"stage", 3}, {"zero_hpz_partition_size", hpz}}}}), world);
+  };
+  EXPECT_EQ(with_hpz(2, 4).shard_group_size, 2);
+  EXPECT_TRUE(with_hpz(2, 4).unsupported.empty());
+  EXPECT_EQ(with_hpz(0, 4).shard_group_size, 1);
+  EXPECT_EQ(with_hpz(1, 4).shard_group_size, 1);
+  EXPECT_EQ(
+      parse_deepspeed_config(Config({{"zero_optimization", {{"stage", 2}}}}), 4).shard_group_size,
+      1);
+  const std::string error = ErrorOf([&] { with_hpz(3, 4); });
+  EXPECT_ERROR_HAS(error,
+                   "zero_optimization.zero_hpz_partition_size = 3 must divide the world "
+                   "size 4");
+}
+
 TEST(DeepSpeedConfigTest, RecognisedButUnimplementedSettingsAreListed) {
-  const auto config =
-      parse_deepspeed_config(Config({{"zero_optimization",
-                                      {{"stage", 3},
-                                       {"reduce_scatter", false},
-                                       {"zero_hpz_partition_size", 8},
-                                       {"zero_quantized_gradients", true}}},
-                                     {"amp", {{"enabled", true}, {"opt_level", "O1"}}},
-                                     {"tensorboard", {{"enabled", true}}}}),
-                             1);
-  ASSERT_EQ(config.unsupported.size(), 4u);
+  const auto config = parse_deepspeed_config(
+      Config({{"zero_optimization",
+               {{"stage", 3}, {"reduce_scatter", false}, {"zero_quantized_gradients", true}}},
+              {"amp", {{"enabled", true}, {"opt_level", "O1"}}},
+              {"tensorboard", {{"enabled", true}}}}),
+      1);
+  ASSERT_EQ(config.unsupported.size(), 3u);
   const std::string error = ErrorOf([&] { check_supported(config); });
   for (const char* text : {"zero_optimization.reduce_scatter = false is not supported yet",
-                           "zero_optimization.zero_hpz_partition_size = 8 is not supported yet",
                            "zero_optimization.zero_quantized_gradients = true is not supported yet",
                            "amp = {\"enabled\":true,\"opt_level\":\"O1\"} is not supported yet"}) {
     EXPECT_ERROR_HAS(error, text);

@@ -48,11 +48,11 @@ const char* kConfig = R"({
 
 #ifdef ZEROSHARD_WITH_GLOO
 
-TEST(EngineTest, TrainsFromDeepSpeedJsonLikeLibTorchWithTheSameSchedule) {
-  // Reference: LibTorch AdamW with the linear warmup DeepSpeed's WarmupLR sets.
-  // DeepSpeed starts the scheduler at iteration -1 (lr = warmup_min_lr) and
-  // advances it after each optimizer step, so optimizer step n runs with
-  // iteration n - 1: lr = max_lr * max(0, n - 1) / warmup_num_steps.
+// Reference: LibTorch AdamW with the linear warmup DeepSpeed's WarmupLR sets.
+// DeepSpeed starts the scheduler at iteration -1 (lr = warmup_min_lr) and
+// advances it after each optimizer step, so optimizer step n runs with
+// iteration n - 1: lr = max_lr * max(0, n - 1) / warmup_num_steps.
+std::pair<std::vector<at::Tensor>, std::vector<double>> TrainReference() {
   auto reference = MakeModel();
   torch::optim::AdamW reference_optimizer(reference->parameters(),
                                           torch::optim::AdamWOptions(0.01).weight_decay(0.0));
@@ -69,51 +69,101 @@ TEST(EngineTest, TrainsFromDeepSpeedJsonLikeLibTorchWithTheSameSchedule) {
     }
     reference_optimizer.step();
   }
+  return {reference->parameters(), expected_lrs};
+}
 
+// What one rank saw: its final parameters, the lr of each step, the steps.
+struct EngineRun {
+  std::vector<at::Tensor> params;
+  std::vector<double> lrs;
+  int64_t global_steps = 0;
+};
+
+EngineRun TrainEngineRank(int rank, int world, torch::nn::Linear& model, Engine& engine) {
+  EngineRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    run.lrs.push_back(engine.get_lr().front());
+    for (int micro = 0; micro < kAccumulation; ++micro) {
+      auto [x, y] = Batch(step, micro);
+      const int64_t per_rank = kMicroBatch / world;
+      at::Tensor loss = engine.forward([&] {
+        return (model->forward(x.narrow(0, rank * per_rank, per_rank)) -
+                y.narrow(0, rank * per_rank, per_rank))
+            .pow(2)
+            .mean();
+      });
+      engine.backward(loss);
+      EXPECT_EQ(engine.step(), micro == kAccumulation - 1);
+    }
+  }
+  for (const auto& p : model->parameters()) {
+    run.params.push_back(p.detach().clone());
+  }
+  run.global_steps = engine.global_steps();
+  EXPECT_TRUE(engine.last_telemetry().has_value());
+  return run;
+}
+
+void ExpectRunsMatchReference(const std::vector<std::string>& errors,
+                              const std::vector<EngineRun>& runs) {
+  const auto [expected, expected_lrs] = TrainReference();
+  for (size_t rank = 0; rank < runs.size(); ++rank) {
+    ASSERT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(runs[rank].global_steps, kSteps);
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_NEAR(runs[rank].lrs[step], expected_lrs[step], 1e-12) << "step " << step;
+    }
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_LE((runs[rank].params[i] - expected[i]).abs().max().item<double>(), 1e-6);
+    }
+  }
+}
+
+TEST(EngineTest, TrainsFromDeepSpeedJsonLikeLibTorchWithTheSameSchedule) {
   constexpr int kWorld = 2;
   std::mutex mutex;
-  std::vector<std::vector<at::Tensor>> params(kWorld);
-  std::vector<std::vector<double>> lrs(kWorld);
-  std::vector<int64_t> global_steps(kWorld);
+  std::vector<EngineRun> runs(kWorld);
   const auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     const auto config = parse_deepspeed_config(nlohmann::json::parse(kConfig), kWorld);
     auto model = MakeModel();
     auto optimizer = make_optimizer(model->parameters(), pg, config);
     Engine engine(*optimizer, config);
-    std::vector<double> seen;
-    for (int step = 0; step < kSteps; ++step) {
-      seen.push_back(engine.get_lr().front());
-      for (int micro = 0; micro < kAccumulation; ++micro) {
-        auto [x, y] = Batch(step, micro);
-        const int64_t per_rank = kMicroBatch / kWorld;
-        at::Tensor loss = engine.forward([&] {
-          return (model->forward(x.narrow(0, rank * per_rank, per_rank)) -
-                  y.narrow(0, rank * per_rank, per_rank))
-              .pow(2)
-              .mean();
-        });
-        engine.backward(loss);
-        EXPECT_EQ(engine.step(), micro == kAccumulation - 1);
-      }
-    }
+    EngineRun run = TrainEngineRank(rank, kWorld, model, engine);
     std::lock_guard<std::mutex> lock(mutex);
-    for (const auto& p : model->parameters()) {
-      params[rank].push_back(p.detach().clone());
-    }
-    lrs[rank] = seen;
-    global_steps[rank] = engine.global_steps();
-    EXPECT_TRUE(engine.last_telemetry().has_value());
+    runs[rank] = std::move(run);
   });
-  const auto expected = reference->parameters();
-  for (int rank = 0; rank < kWorld; ++rank) {
-    ASSERT_EQ(errors[rank], "");
-    EXPECT_EQ(global_steps[rank], kSteps);
-    for (int step = 0; step < kSteps; ++step) {
-      EXPECT_NEAR(lrs[rank][step], expected_lrs[step], 1e-12) << "step " << step;
-    }
-    for (size_t i = 0; i < expected.size(); ++i) {
-      EXPECT_LE((params[rank][i] - expected[i]).abs().max().item<double>(), 1e-6);
-    }
+  ExpectRunsMatchReference(errors, runs);
+}
+
+// zero_hpz_partition_size 2 on 4 ranks: two shard groups of 2, replicated.
+TEST(EngineTest, ZeroHpzPartitionSizeTrainsAsHybridSharding) {
+  constexpr int kWorld = 4;
+  nlohmann::json json = nlohmann::json::parse(kConfig);
+  json["zero_optimization"]["zero_hpz_partition_size"] = 2;
+  const auto config = parse_deepspeed_config(json, kWorld);
+  ASSERT_EQ(config.shard_group_size, 2);
+  std::mutex mutex;
+  std::vector<EngineRun> runs(kWorld);
+  const auto errors = RunHybridRanks(kWorld, 2, [&](int rank, HybridGroups groups) {
+    auto model = MakeModel();
+    auto optimizer = make_optimizer(model->parameters(), groups.shard, groups.replicate, config);
+    EXPECT_EQ(optimizer->data_parallel_world_size(), kWorld);
+    Engine engine(*optimizer, config);
+    EngineRun run = TrainEngineRank(rank, kWorld, model, engine);
+    std::lock_guard<std::mutex> lock(mutex);
+    runs[rank] = std::move(run);
+  });
+  ExpectRunsMatchReference(errors, runs);
+  // The world group where the config asks for shard groups is refused.
+  const auto refused = RunRanks(kWorld, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto model = MakeModel();
+    make_optimizer(model->parameters(), pg, config);
+  });
+  for (const auto& error : refused) {
+    EXPECT_NE(error.find("expects shard groups of 2 ranks and 2 replicas; got a shard group of 4 "
+                         "ranks and 1 replicas"),
+              std::string::npos)
+        << error;
   }
 }
 

@@ -127,6 +127,82 @@ TEST_P(ZeroOptimizerTest, MatchesLibTorchAdamWAndSgdAfterEightSteps) {
   }
 }
 
+// Hybrid sharding, 4 ranks as 2 shard groups of 2: the same result as
+// LibTorch on the global batch, at every stage (stage 3 with every parameter
+// in one unit), with identical parameters on the replicas, and only the
+// gradient shards (plus the step's flags) crossing the replicas.
+TEST(ZeroOptimizerHybridTest, TwoShardGroupsOfTwoMatchLibTorchAtEveryStage) {
+  constexpr int kWorld = 4;
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  const auto expected = TrainReference(adamw, /*max_norm=*/0.3);
+  for (int stage : {1, 2, 3}) {
+    std::vector<double> diffs(kWorld, -1);
+    std::vector<int64_t> replica_bytes(kWorld, -1);
+    std::vector<int64_t> replica_gathers(kWorld, -1);
+    std::vector<int64_t> shard_numel(kWorld, -1);
+    std::vector<std::vector<at::Tensor>> finals(kWorld);
+    std::mutex mutex;
+    auto errors = RunHybridRanks(kWorld, /*shard_size=*/2, [&](int rank, HybridGroups groups) {
+      TinyModel model(/*seed=*/rank);  // global rank 0's values are broadcast
+      std::vector<ParameterUnit> units;
+      if (stage == 3) {
+        units.push_back(ParameterUnit{"model", model.params});
+      }
+      ZeroOptimizer optimizer({torch::optim::OptimizerParamGroup(model.params)}, groups.shard,
+                              groups.replicate, adamw,
+                              ZeroOptions()
+                                  .stage(stage)
+                                  .reduce_bucket_size(16)
+                                  .max_norm(0.3)
+                                  .stage3_param_persistence_threshold(0),
+                              units);
+      EXPECT_EQ(optimizer.data_parallel_world_size(), kWorld);
+      for (int step = 0; step < kSteps; ++step) {
+        auto [x, target] = GlobalBatch(step);
+        const int64_t per_rank = kGlobalBatch / kWorld;
+        optimizer.zero_grad();
+        if (step == kSteps - 1) {
+          optimizer.replica_communicator()->reset_stats();
+        }
+        if (stage == 3) {
+          optimizer.unit_pre_forward(0);  // no module hooks here: the unit by hand
+        }
+        model
+            .loss(x.narrow(0, rank * per_rank, per_rank),
+                  target.narrow(0, rank * per_rank, per_rank))
+            .backward();
+        if (stage == 3) {
+          optimizer.unit_post_forward(0);  // held through backward, released now
+        }
+        optimizer.step();
+      }
+      const CommStats stats = optimizer.replica_communicator()->stats();
+      // Rank 0 of each shard group gets the full values.
+      std::vector<at::Tensor> values = optimizer.full_parameters(0).at(0);
+      std::lock_guard<std::mutex> lock(mutex);
+      diffs[rank] = values.empty() ? 0.0 : MaxDiff(values, expected);
+      finals[rank] = values;
+      replica_bytes[rank] = stats.all_reduce_bytes;
+      replica_gathers[rank] = stats.all_gather_bytes + stats.reduce_scatter_bytes;
+      shard_numel[rank] = optimizer.layout().group(0).shard_numel();
+    });
+    for (int rank = 0; rank < kWorld; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
+      EXPECT_GE(diffs[rank], 0.0);
+      EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
+      // The last step: the fp32 gradient shard and the 5 + 1 presence and
+      // overflow flags (int32), nothing else.
+      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 1))
+          << "stage " << stage << " rank " << rank;
+      EXPECT_EQ(replica_gathers[rank], 0) << "stage " << stage << " rank " << rank;
+    }
+    // Both replicas' shard-group rank 0 (global ranks 0 and 2) hold the same values.
+    ASSERT_EQ(finals[0].size(), 5u);
+    ASSERT_EQ(finals[2].size(), 5u);
+    EXPECT_EQ(MaxDiff(finals[2], finals[0]), 0.0) << "stage " << stage;
+  }
+}
+
 TEST_P(ZeroOptimizerTest, SaveLoadContinueEqualsUninterrupted) {
   const int world = GetParam();
   auto options = torch::optim::AdamWOptions(1e-2);

@@ -97,6 +97,11 @@ struct DeepSpeedConfig {
   // DeepSpeed's for reduce_bucket_size (5e6, not 5e8) and overlap_comm (on at every stage, not
   // only stage 3): see zero_options.h for why.
   ZeroOptions zero;
+  // zero_optimization.zero_hpz_partition_size, read as hybrid sharding: the
+  // state is sharded over groups of this many consecutive ranks and
+  // replicated across the groups (see ZeroOptimizer's hybrid constructor;
+  // make_hybrid_gloo_groups builds the groups). 1: shard over all ranks.
+  int64_t shard_group_size = 1;
   // The offload devices as written (CPU offload is in zero.offload_optimizer()
   // and zero.offload_param(); NVMe is listed in `unsupported`).
   OffloadDevice offload_optimizer = OffloadDevice::kNone;

@@ -76,6 +76,13 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(std::vector<at::Tensor> params,
                                               c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                               const DeepSpeedConfig& config,
                                               std::vector<ParameterUnit> units = {});
+// With hybrid sharding (zero_hpz_partition_size > 1): `process_group` is this
+// rank's shard group and `replicate_group` its replicate group, e.g. from
+// make_hybrid_gloo_groups (gloo_process_group.h) or a DeviceMesh in Python.
+std::unique_ptr<ZeroOptimizer> make_optimizer(
+    std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+    c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, const DeepSpeedConfig& config,
+    std::vector<ParameterUnit> units = {});
 // The ZeroOptions a config describes (also used by the Python layer).
 ZeroOptions zero_options_from_config(const DeepSpeedConfig& config);
 

@@ -23,4 +23,17 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t world_size,
     std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
+// The two groups of hybrid sharding over `world_size` ranks (see
+// ZeroOptimizer's hybrid constructor): shard groups of `shard_size`
+// consecutive ranks (rank / shard_size picks the group, as ranks of one node
+// are numbered together by torchrun), and replicate groups of the ranks with
+// the same rank % shard_size. shard_size must divide world_size.
+struct HybridGroups {
+  c10::intrusive_ptr<c10d::ProcessGroup> shard;
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate;
+};
+HybridGroups make_hybrid_gloo_groups(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
+                                     int64_t world_size, int64_t shard_size,
+                                     std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
 }  // namespace zeroshard

@@ -66,6 +66,19 @@ class ZeroOptimizer : public torch::optim::Optimizer {
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                 const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options,
                 std::vector<ParameterUnit> units);
+  // Hybrid sharding (FSDP2's HSDP, DeepSpeed's zero_hpz_partition_size): the
+  // state is sharded over `process_group` (e.g. the ranks of one node) and
+  // replicated over `replicate_group` (the ranks holding the same shard in
+  // the other shard groups). Gradients are reduce-scattered within the shard
+  // group and their shards all-reduced across replicas; parameters are
+  // all-gathered within the shard group only. A null or one-rank
+  // replicate_group is plain sharding. Every collective of this optimizer is
+  // issued on one of the two groups, so every rank of both must call it.
+  ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
+                const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options,
+                std::vector<ParameterUnit> units = {});
   ~ZeroOptimizer() override;
 
   // Collective: every rank must call it. Reads each parameter's .grad, which
@@ -110,7 +123,29 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
   const ZeroOptions& zero_options() const { return options_; }
   const PartitionLayout& layout() const { return *layout_; }
+  // The shard group's communicator, and the replicate group's (null without
+  // hybrid sharding).
   Communicator& communicator() { return *comm_; }
+  Communicator* replica_communicator() { return replica_comm_.get(); }
+  // Ranks whose gradients are averaged: shard group size x replicas.
+  int64_t data_parallel_world_size() const;
+
+  // Tensor parallelism (zero_optimizer_tensor_parallel.cpp): this
+  // optimizer's parameters are this rank's pieces of tensors split over
+  // `group` where sharded[g][i] is true, and copies equal on every rank of
+  // `group` elsewhere (PyTorch TP's Shard and Replicate placements). The
+  // global gradient norm then counts every piece once and every copy once,
+  // as clip_grad_norm_ on the unsplit model, and a non-finite gradient on
+  // any rank of `group` skips the step on all of them. Collective over
+  // `group` from then on: call it on every rank, before the first step.
+  void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           std::vector<std::vector<bool>> sharded);
+  // A gradient the caller moved into parameter (group, index)'s .grad from
+  // where autograd put it, handled as the parameter's own hook would: for a
+  // parameter that is not autograd's leaf itself (the Python layer passes a
+  // DTensor's local tensor, whose gradient autograd puts on the DTensor).
+  // Call it from inside the backward pass.
+  void gradient_arrived(size_t group, int64_t index);
 
   // The flat parameter buffer of group `group`; the model's parameters are
   // views into it.
@@ -237,7 +272,24 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   };
 
   void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                  c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
                   std::vector<ParameterUnit> units);
+  // ---- Hybrid sharding (zero_optimizer_replicas.cpp); no-ops without it ----
+  // An error found on some ranks of either group raised on every rank.
+  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what);
+  // Replica 0's values on every replica (after the shard group's broadcast).
+  void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag);
+  void max_across_replicas(at::Tensor& tensor, const std::string& tag);
+  // Sums the reduced gradient shards over the replicas.
+  void reduce_gradient_shards_across_replicas();
+  // ---- Tensor parallelism; no-ops without it ----
+  // squares: [sum over TP-sharded pieces, sum over the rest] of the reduced
+  // gradients' squares on this rank, summed over the data-parallel group;
+  // returns the global sum of squares.
+  at::Tensor sum_squares_across_tensor_parallel(at::Tensor squares);
+  void max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag);
+  // The shard group's save: what save_checkpoint runs on the first replica.
+  void save_checkpoint_shards(const std::string& path, const CheckpointSaveOptions& options);
   std::vector<std::vector<int64_t>> assign_units(const std::vector<ParameterUnit>& units,
                                                  std::vector<std::string>& unit_names,
                                                  std::vector<std::vector<at::Tensor>>& unit_params);
@@ -303,6 +355,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> replica_comm_;  // hybrid sharding only
+  std::unique_ptr<Communicator> tensor_parallel_comm_;
+  std::vector<std::vector<bool>> tensor_parallel_sharded_;  // per group and parameter
   std::unique_ptr<PartitionLayout> layout_;
   std::unique_ptr<StatePlacement> placement_;
   // With offload_optimizer: the master and moments of every group (then

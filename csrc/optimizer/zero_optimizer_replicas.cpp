@@ -1,0 +1,92 @@
+// ZeroOptimizer: hybrid sharding. The shard group holds one copy of the
+// sharded state; each replica (another shard group, the same layout) holds
+// another. Only three things cross replicas: the initial parameters (replica
+// 0's), the reduced gradient shards (summed, once per step, Ψ/N elements per
+// rank), and the step's agreements (presence flags, errors), so the replicas
+// take identical steps. Parameter all-gathers never leave the shard group.
+#include "zeroshard/zero_optimizer.h"
+
+#include "../checkpoint/checkpoint_detail.h"
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+
+namespace zeroshard {
+
+int64_t ZeroOptimizer::data_parallel_world_size() const {
+  return comm_->world_size() * (replica_comm_ ? replica_comm_->world_size() : 1);
+}
+
+void ZeroOptimizer::raise_if_any_rank_failed(const std::string& local_error,
+                                             const std::string& what) {
+  if (!replica_comm_) {
+    comm_->raise_if_any_rank_failed(local_error, what, device_);
+    return;
+  }
+  // Both agreements run on every rank whatever the first one found, so no
+  // replica is left waiting in the second.
+  std::string error = local_error;
+  try {
+    comm_->raise_if_any_rank_failed(local_error, what, device_);
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  replica_comm_->raise_if_any_rank_failed(error, what, device_);
+}
+
+void ZeroOptimizer::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
+  if (replica_comm_) {
+    replica_comm_->broadcast(tensor, /*root=*/0, "replicas/" + tag);
+  }
+}
+
+void ZeroOptimizer::max_across_replicas(at::Tensor& tensor, const std::string& tag) {
+  if (replica_comm_) {
+    replica_comm_->all_reduce_max(tensor, "replicas/" + tag);
+  }
+}
+
+void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
+  if (!replica_comm_) {
+    return;
+  }
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    at::Tensor& shard = shards_[g].grad_shard;
+    if (!shard.defined() || shard.numel() == 0) {
+      continue;  // every replica has the same layout, so all skip alike
+    }
+    // A host shard (offload) travels through the device when the backend
+    // needs device tensors (NCCL); on Gloo it is reduced where it is.
+    const bool staged = shard.device() != device_;
+    at::Tensor sum = staged ? shard.to(device_) : shard;
+    replica_comm_->all_reduce_sum(sum, "replicas/group" + std::to_string(g) + "/grad_shard");
+    if (staged) {
+      shard.copy_(sum);
+    }
+  }
+}
+
+void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
+  if (!replica_comm_) {
+    save_checkpoint_shards(path, options);
+    return;
+  }
+  // Replicas hold the same shards: the first one writes them, and the others
+  // learn its outcome, so every rank returns or raises alike.
+  std::string error;
+  if (replica_comm_->rank() == 0) {
+    try {
+      save_checkpoint_shards(path, options);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  const std::string agreed = checkpoint_detail::combined_error(
+      checkpoint_detail::all_gather_strings(*replica_comm_, error, device_, "replicas/checkpoint"));
+  TORCH_CHECK_VALUE(agreed.empty(), "could not save checkpoint ", path, " (replicas ", agreed, ")");
+}
+
+}  // namespace zeroshard

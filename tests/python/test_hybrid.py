@@ -1,0 +1,276 @@
+"""Hybrid sharding (FSDP2's HSDP) on 4 CPU ranks: shard within groups of 2, replicate across.
+
+Every configuration is compared with single-process ``torch.optim`` on the
+same global batch, and its traffic with theory: within a shard group the
+same collectives as plain ZeRO over those 2 ranks; across replicas only the
+gradient shards (Ψ/2 elements per rank, once per step) and the step's
+small agreement flags; no parameter all-gather crosses a shard group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+
+from dist_harness import RankError, run_ranks, unwrap
+from tiny_models import (
+    VOCAB,
+    local_batch,
+    make_model,
+    max_abs_diff,
+    param_groups,
+    snapshot,
+)
+
+WORLD, SHARD = 4, 2
+STEPS = 8
+LR = 1e-2
+TOLERANCE = 1e-6
+CLIP = 0.5
+
+
+def _loss(model: nn.Module, step: int, rank: int, world_size: int) -> torch.Tensor:
+    tokens, targets = local_batch(step, rank, world_size)
+    logits = model(tokens, step)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model = make_model(seed=0)
+    optimizer = torch.optim.AdamW(param_groups(model, (LR, 2 * LR)), lr=LR)
+    for step in range(steps):
+        optimizer.zero_grad()
+        _loss(model, step, 0, 1).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+    return snapshot(model)
+
+
+def _groups(how: str) -> dict[str, Any]:
+    if how == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            "cpu", (WORLD // SHARD, SHARD), mesh_dim_names=("replicate", "shard")
+        )
+        return {"device_mesh": mesh}
+    groups = zeroshard.groups.hybrid_groups(SHARD)
+    return {"process_group": groups.shard, "replicate_group": groups.replicate}
+
+
+def _make(model: nn.Module, stage: int, groups: dict[str, Any], **extra: Any) -> Any:
+    return zeroshard.ZeroOptimizer(
+        param_groups(model, (LR, 2 * LR)),
+        "adamw",
+        stage=stage,
+        module=model,
+        max_norm=CLIP,
+        stage3_param_persistence_threshold=0,
+        reduce_bucket_size=40,  # several buckets per group
+        lr=LR,
+        **groups,
+        **extra,
+    )
+
+
+def _train(rank: int, world_size: int, stage: int, how: str) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = make_model(seed=0)
+    if rank != 0:  # construction starts every rank from global rank 0's values
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    groups = _groups(how)
+    optimizer = _make(model, stage, groups)
+    # Plain ZeRO over this rank's shard group alone: the traffic the shard
+    # group should see.
+    plain_model = make_model(seed=0)
+    shard_group = optimizer._process_group
+    plain = _make(plain_model, stage, {"process_group": shard_group})
+    per_step: list[dict[str, Any]] = []
+    for step in range(STEPS):
+        for opt, net in ((optimizer, model), (plain, plain_model)):
+            opt.zero_grad()
+            opt.reset_comm_stats()
+            _loss(net, step, rank, world_size).backward()
+            opt.step()
+        per_step.append(
+            {
+                "shard": optimizer.comm_stats(),
+                "replica": optimizer._impl.replica_comm_stats(),
+                "plain": plain.comm_stats(),
+            }
+        )
+    with optimizer.gathered_parameters():
+        params = snapshot(model)
+    return {
+        "params": params,
+        "per_step": per_step,
+        "shard_numels": [optimizer._impl.shard_numel(g) for g in range(2)],
+        "num_params": sum(len(g["params"]) for g in optimizer.param_groups),
+        "data_parallel_world_size": optimizer._impl.data_parallel_world_size,
+        "shard_world": optimizer._impl.world_size,
+    }
+
+
+_RESULTS: dict[str, list[dict[str, Any]]] = {}
+
+
+def trained(stage: int, how: str) -> list[dict[str, Any]]:
+    key = f"{stage}/{how}"
+    if key not in _RESULTS:
+        _RESULTS[key] = unwrap(run_ranks(WORLD, _train, stage, how))
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize(("stage", "how"), [(1, "groups"), (2, "mesh"), (3, "mesh"), (3, "groups")])
+def test_hybrid_sharding_matches_torch_optim(stage: int, how: str) -> None:
+    results = trained(stage, how)
+    expected = reference()
+    for rank, r in enumerate(results):
+        assert r["shard_world"] == SHARD and r["data_parallel_world_size"] == WORLD
+        diff = max_abs_diff(r["params"], expected)
+        print(f"hybrid stage {stage} ({how}) rank {rank}: max abs diff {diff:.3e}")
+        assert diff <= TOLERANCE, (rank, diff)
+    # Replicas take identical steps: every rank holds the same parameters.
+    for r in results[1:]:
+        assert max_abs_diff(r["params"], results[0]["params"]) == 0.0
+
+
+@pytest.mark.parametrize(("stage", "how"), [(1, "groups"), (2, "mesh"), (3, "mesh")])
+def test_hybrid_traffic_within_and_across_groups_is_theory(stage: int, how: str) -> None:
+    for rank, r in enumerate(trained(stage, how)):
+        grad_shard_bytes = 4 * sum(r["shard_numels"])  # fp32 gradient shards
+        flag_bytes = 4 * (r["num_params"] + 1)  # the step's presence/overflow flags
+        for step, stats in enumerate(r["per_step"]):
+            shard, replica, plain = stats["shard"], stats["replica"], stats["plain"]
+            # Within the shard group: exactly plain ZeRO over its 2 ranks.
+            for kind in ("reduce_scatter_bytes", "all_gather_bytes", "broadcast_bytes"):
+                assert shard[kind] == plain[kind], (rank, step, kind, shard[kind], plain[kind])
+            assert shard["all_reduce_bytes"] == plain["all_reduce_bytes"], (rank, step)
+            # Across replicas: the gradient shard once, the flags; no all-gather.
+            assert replica["all_gather_bytes"] == 0 and replica["reduce_scatter_bytes"] == 0
+            assert replica["all_reduce_bytes"] == grad_shard_bytes + flag_bytes, (
+                rank,
+                step,
+                replica["all_reduce_bytes"],
+                grad_shard_bytes,
+                flag_bytes,
+            )
+        if rank == 0:
+            last = r["per_step"][-1]
+            print(
+                f"stage {stage} per step: shard group {last['shard']}, "
+                f"replicas {last['replica']} (gradient shard {grad_shard_bytes} B)"
+            )
+
+
+# ---- Engine: DeepSpeed's zero_hpz_partition_size --------------------------------------
+
+
+def _engine(rank: int, world_size: int, hpz: int) -> dict[str, Any]:
+    model = make_model(seed=0)
+    config = {
+        "train_micro_batch_size_per_gpu": 12 // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "zero_hpz_partition_size": hpz,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    engine, optimizer, _, _ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, (LR, 2 * LR)), config=config
+    )
+    for step in range(STEPS):
+        engine.backward(_loss(engine, step, rank, world_size))
+        engine.step()
+    with optimizer.gathered_parameters():
+        params = snapshot(model)
+    return {"params": params, "shard_world": optimizer._impl.world_size}
+
+
+def test_engine_zero_hpz_partition_size_is_hybrid_sharding() -> None:
+    results = unwrap(run_ranks(WORLD, _engine, SHARD))
+    expected = reference()
+    for rank, r in enumerate(results):
+        assert r["shard_world"] == SHARD
+        diff = max_abs_diff(r["params"], expected)
+        print(f"engine hpz={SHARD} rank {rank}: max abs diff {diff:.3e}")
+        assert diff <= TOLERANCE, (rank, diff)
+
+
+def test_hpz_that_does_not_divide_the_world_is_an_error_on_every_rank() -> None:
+    results = run_ranks(WORLD, _engine, 3)
+    for r in results:
+        assert isinstance(r, RankError), r
+        assert "zero_hpz_partition_size = 3 must divide the world size 4" in r.message, r.message
+
+
+def _named_mesh(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _make(make_model(seed=0), 2, {"device_mesh": mesh})
+
+
+def test_a_2d_mesh_that_is_not_replicate_shard_is_refused_naming_its_dimensions() -> None:
+    for r in run_ranks(WORLD, _named_mesh):
+        assert isinstance(r, RankError), r
+        assert "('dp', 'tp')" in r.message and 'mesh["dp"]' in r.message, r.message
+
+
+# ---- Checkpoints ---------------------------------------------------------------------
+
+
+def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    groups = _groups("groups")
+    model = make_model(seed=0)
+    optimizer = _make(model, 3, groups)
+    for step in range(STEPS):
+        if step == 4:
+            optimizer.save_checkpoint(path)
+        optimizer.zero_grad()
+        _loss(model, step, rank, world_size).backward()
+        optimizer.step()
+    with optimizer.gathered_parameters():
+        uninterrupted = snapshot(model)
+    # Resume hybrid (same groups) and plain (sharded over all 4 ranks).
+    resumed = make_model(seed=1)
+    again = _make(resumed, 3, groups)
+    again.load_checkpoint(path)
+    for step in range(4, STEPS):
+        again.zero_grad()
+        _loss(resumed, step, rank, world_size).backward()
+        again.step()
+    with again.gathered_parameters():
+        hybrid_resumed = snapshot(resumed)
+    plain_model = make_model(seed=2)
+    plain = _make(plain_model, 2, {"process_group": dist.group.WORLD})
+    plain.load_checkpoint(path)
+    return {
+        "uninterrupted": uninterrupted,
+        "hybrid_resumed": hybrid_resumed,
+        "plain_loaded": snapshot(plain_model),
+    }
+
+
+def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path) -> None:
+    results = unwrap(run_ranks(WORLD, _resume, str(tmp_path / "ckpt")))
+    saved_at_4 = reference(steps=4)
+    for rank, r in enumerate(results):
+        assert max_abs_diff(r["hybrid_resumed"], r["uninterrupted"]) == 0.0, rank
+        diff = max_abs_diff(r["plain_loaded"], saved_at_4)
+        print(f"rank {rank}: plain stage 2 over 4 ranks loaded the hybrid checkpoint, {diff:.3e}")
+        assert diff <= TOLERANCE, (rank, diff)
+    # One replica wrote the shards: one rank file per shard-group rank.
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("rank"))
+    assert len(files) == SHARD, files

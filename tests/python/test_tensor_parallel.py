@@ -1,0 +1,218 @@
+"""ZeRO over the data-parallel dimension of a DP 2 x TP 2 mesh, with PyTorch's own TP.
+
+``parallelize_module`` makes the parameters DTensors; zeroshard shards their
+local pieces over the data-parallel group at stages 1-3. Each run is
+compared with single-process ``torch.optim`` on the unsplit model and the
+global batch, through ``full_state_dict()`` (full tensors), with global-norm
+clipping on, so the norm must count split pieces across the TP group and
+replicated parameters once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+
+from dist_harness import RankError, run_ranks, unwrap
+
+WORLD, DP, TP = 4, 2, 2
+STEPS = 6
+LR = 1e-2
+CLIP = 0.5
+BATCH, SEQ, WIDTH = 8, 3, 8
+TOLERANCE = 1e-6
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention written as TP expects: q/k/v split by heads."""
+
+    def __init__(self, width: int = WIDTH, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.q = nn.Linear(width, width)
+        # No key bias: softmax ignores it, so its gradient is rounding noise
+        # that Adam would turn into lr-sized steps (on any setup, DDP too).
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under TP each rank holds heads / TP of them.
+        q, k, v = (
+            proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Net(nn.Module):
+    """An MLP (odd hidden width per rank), an attention block, and a plain head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 10)  # 5 rows per TP rank
+        self.down = nn.Linear(10, WIDTH)
+        self.attn = Attention()
+        self.norm = nn.LayerNorm(WIDTH)  # replicated, not a DTensor
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down(torch.tanh(self.up(x)))
+        x = x + self.attn(x)
+        return self.head(self.norm(x))
+
+
+_PLAN = {
+    "up": "colwise",
+    "down": "rowwise",
+    "attn.q": "colwise",
+    "attn.k": "colwise",
+    "attn.v": "colwise",
+    "attn.out": "rowwise",
+}
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(BATCH, SEQ, WIDTH, generator=g), torch.randn(BATCH, SEQ, 3, generator=g)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x) - y).pow(2).mean()
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, *batch(step)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _parallelized(mesh: Any) -> Net:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    model = make_net()
+    parallelize_module(model, mesh["tp"], {name: styles[s]() for name, s in _PLAN.items()})
+    return model
+
+
+def _local_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step)
+    per = BATCH // DP
+    return x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+
+
+def _train(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _parallelized(mesh)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=stage,
+        device_mesh=mesh["dp"],
+        module=model,
+        max_norm=CLIP,
+        reduce_bucket_size=30,
+        stage3_param_persistence_threshold=0,
+        lr=LR,
+    )
+    norms = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, *_local_batch(step, dp_rank)).backward()
+        norms.append(optimizer.clip_grad_norm_(1e9).item())  # the norm, nothing clipped
+        optimizer.step()
+    full = optimizer.full_state_dict(rank=0)
+    # The yardstick: the same TP model, torch.optim on the DTensors, gradients
+    # averaged over the data-parallel group by hand (what DDP does).
+    yard = _parallelized(mesh)
+    yard_optimizer = torch.optim.AdamW(yard.parameters(), lr=LR)
+    dp_group = mesh["dp"].get_group()
+    for step in range(STEPS):
+        yard_optimizer.zero_grad()
+        loss_of(yard, *_local_batch(step, dp_rank)).backward()
+        for p in yard.parameters():
+            local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+            dist.all_reduce(local, group=dp_group)
+            local.div_(DP)
+        # clip_grad_norm_ refuses a mix of DTensor and plain gradients.
+        grad_norms = [
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).norm()
+            for p in yard.parameters()
+        ]
+        coefficient = (CLIP / (torch.stack(grad_norms).norm() + 1e-6)).clamp(max=1.0)
+        for p in yard.parameters():
+            p.grad.mul_(coefficient)
+        yard_optimizer.step()
+    yardstick = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in yard.named_parameters()
+    }
+    return {"full": full, "yardstick": yardstick, "dp_rank": dp_rank, "norms": norms}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dp2_tp2_matches_torch_optim_on_the_unsplit_model(stage: int) -> None:
+    results = unwrap(run_ranks(WORLD, _train, stage))
+    expected, expected_norms = reference()
+    assert min(expected_norms) > CLIP  # clipping acts on every step
+    for rank, r in enumerate(results):
+        # The norm counts split pieces across the TP group, copies once.
+        for got, want in zip(r["norms"], expected_norms, strict=True):
+            assert abs(got - want) <= 1e-6 * want, (rank, r["norms"], expected_norms)
+        if r["dp_rank"] != 0:
+            assert r["full"] == {}, rank  # full_state_dict(rank=0): data-parallel rank 0 only
+            continue
+        diff = _max_diff(r["full"], expected)
+        yard = _max_diff(r["yardstick"], expected)
+        print(f"stage {stage} rank {rank}: zeroshard {diff:.3e}, TP + DDP-style {yard:.3e}")
+        assert diff <= TOLERANCE, (rank, diff, yard)
+
+
+def _checkpoint(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = _parallelized(mesh)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), stage=2, device_mesh=mesh["dp"], module=model
+    )
+    optimizer.save_checkpoint(path)
+
+
+def test_checkpoint_of_tensor_parallel_parameters_is_refused_on_every_rank(tmp_path) -> None:
+    for r in run_ranks(WORLD, _checkpoint, str(tmp_path / "ckpt")):
+        assert isinstance(r, RankError) and r.type_name == "NotImplementedError", r
+        assert "full_state_dict()" in r.message
+    assert not (tmp_path / "ckpt").exists()
