@@ -311,18 +311,22 @@ PYBIND11_MODULE(_C, m) {
          int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
          const std::string& offload_optimizer, const std::string& offload_param,
          double offload_ratio, double sub_group_size, int64_t nvme_buffer_count,
-         double param_max_in_cpu, int64_t param_buffer_count) {
+         double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
+         int64_t pipeline_parallel_size) {
         return zeroshard::estimate_dict(zeroshard::estimate_memory(
             stage, zeroshard::estimate_options(
                        num_params, largest_unit_params, world_size, ranks_per_node, precision,
                        optimizer, offload_optimizer, offload_param, offload_ratio, sub_group_size,
-                       nvme_buffer_count, param_max_in_cpu, param_buffer_count)));
+                       nvme_buffer_count, param_max_in_cpu, param_buffer_count)
+                       .tensor_parallel_size(tensor_parallel_size)
+                       .pipeline_parallel_size(pipeline_parallel_size)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
       py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
       py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4,
-      py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5);
+      py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5,
+      py::arg("tensor_parallel_size") = 1, py::arg("pipeline_parallel_size") = 1);
   m.def(
       "deepspeed_estimate",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,

@@ -98,8 +98,18 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
                     stage);
   TORCH_CHECK_VALUE(options.offload_optimizer() == OffloadDevice::kNone || stage >= 1,
                     "optimizer offload needs ZeRO stage 1, 2 or 3; got stage 0");
-  const double psi = options.num_params();
-  const double n = static_cast<double>(options.world_size());
+  const int64_t tp = options.tensor_parallel_size();
+  const int64_t pp = options.pipeline_parallel_size();
+  TORCH_CHECK_VALUE(tp >= 1 && pp >= 1,
+                    "tensor_parallel_size and pipeline_parallel_size must be >= 1, got ", tp,
+                    " and ", pp);
+  TORCH_CHECK_VALUE(options.world_size() % (tp * pp) == 0, "world_size ", options.world_size(),
+                    " must be a multiple of tensor_parallel_size x pipeline_parallel_size = ",
+                    tp * pp, " (ranks = DP x TP x PP)");
+  // This rank's slice of the model and the data-parallel ranks sharding it.
+  const double psi = options.num_params() / static_cast<double>(tp * pp);
+  const double n = static_cast<double>(options.world_size() / (tp * pp));
+  const double largest = options.largest_unit_params() / static_cast<double>(tp);
   const StateBytes per = state_bytes_per_param(options.precision(), options.optimizer());
 
   MemoryEstimate estimate;
@@ -108,7 +118,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   estimate.grad_bytes = per.grad * psi / (stage >= 2 ? n : 1);
   estimate.optimizer_bytes = per.optimizer * psi / (stage >= 1 ? n : 1);
   if (stage == 3) {
-    estimate.working_bytes = (per.param + per.grad) * options.largest_unit_params();
+    estimate.working_bytes = (per.param + per.grad) * largest;
   }
   auto offload = [&](OffloadDevice device, double& bytes) {
     const double per_node = bytes * static_cast<double>(options.ranks_per_node());
@@ -164,7 +174,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double shard = psi / n;
     const double in_cpu = std::min(shard, std::max(0.0, options.param_max_in_cpu()));
     const double ahead = static_cast<double>(std::max<int64_t>(1, options.param_buffer_count())) *
-                         std::ceil(options.largest_unit_params() / n);
+                         std::ceil(largest / n);
     estimate.cpu_bytes_per_node += (in_cpu + (in_cpu < shard ? ahead : 0.0)) * per.param * ranks;
     estimate.nvme_bytes_per_node += (shard - in_cpu) * per.param * ranks;
     estimate.param_bytes = 0;

@@ -22,7 +22,8 @@ constexpr size_t kResyncWindow = 8;
 
 int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
-std::string swap_file(const std::string& directory) { return directory + "/parameters.swap"; }
+constexpr const char* kSwapFileName = "parameters.swap";
+std::string swap_file(const std::string& directory) { return directory + "/" + kSwapFileName; }
 
 }  // namespace
 
@@ -101,12 +102,7 @@ void NvmeParameterSwapper::release_resources() noexcept {
   ahead_bytes_ = 0;
   engine_.reset();
   file_.reset();
-  if (!directory_.empty()) {
-    // The directory holds only the swap file (see make_swap_directory).
-    ::unlink(swap_file(directory_).c_str());
-    ::rmdir(directory_.c_str());
-    directory_.clear();
-  }
+  remove_swap_directory(directory_, kSwapFileName);
 }
 
 at::Tensor NvmeParameterSwapper::new_buffer(const Slot& slot, size_t group) const {
@@ -223,8 +219,16 @@ at::Tensor NvmeParameterSwapper::read(size_t group, size_t bucket) {
 void NvmeParameterSwapper::write(size_t group, int64_t offset, const at::Tensor& values) {
   const at::Tensor source = values.to(at::kCPU, dtypes_.at(group)).contiguous().view({-1});
   const int64_t end = offset + source.numel();
-  for (size_t b = 0; b < slots_[group].size(); ++b) {
-    const Slot& slot = slots_[group][b];
+  const std::vector<Slot>& slots = slots_[group];
+  // Slots are in shard order: start at the last one beginning at or before
+  // `offset` (the step writes a sub-group at a time, so a linear scan per
+  // write would be quadratic in the buckets of a group).
+  auto first =
+      std::upper_bound(slots.begin(), slots.end(), offset,
+                       [](int64_t at, const Slot& slot) { return at < slot.shard_offset; });
+  for (size_t b = first == slots.begin() ? 0 : static_cast<size_t>(first - slots.begin()) - 1;
+       b < slots.size() && slots[b].shard_offset < end; ++b) {
+    const Slot& slot = slots[b];
     const int64_t begin = std::max(offset, slot.shard_offset);
     const int64_t stop = std::min(end, slot.shard_offset + slot.numel);
     if (begin < stop) {

@@ -21,7 +21,8 @@ constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
 
 int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
-std::string swap_file(const std::string& directory) { return directory + "/optimizer.swap"; }
+constexpr const char* kSwapFileName = "optimizer.swap";
+std::string swap_file(const std::string& directory) { return directory + "/" + kSwapFileName; }
 
 }  // namespace
 
@@ -86,12 +87,7 @@ void NvmeStateSwapper::release_resources() {
   }
   buffers_.clear();
   file_.reset();
-  if (!directory_.empty()) {
-    // The directory holds only the swap file (see make_swap_directory).
-    ::unlink(swap_file(directory_).c_str());
-    ::rmdir(directory_.c_str());
-    directory_.clear();
-  }
+  remove_swap_directory(directory_, kSwapFileName);
 }
 
 int64_t NvmeStateSwapper::buffer_bytes() const {

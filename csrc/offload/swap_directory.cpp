@@ -26,4 +26,13 @@ std::string make_swap_directory(const std::string& nvme_path, const std::string&
   return pattern;
 }
 
+void remove_swap_directory(std::string& directory, const std::string& file) noexcept {
+  if (directory.empty()) {
+    return;
+  }
+  ::unlink((directory + "/" + file).c_str());
+  ::rmdir(directory.c_str());
+  directory.clear();
+}
+
 }  // namespace zeroshard

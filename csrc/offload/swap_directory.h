@@ -13,4 +13,9 @@ namespace zeroshard {
 std::string make_swap_directory(const std::string& nvme_path, const std::string& prefix,
                                 int64_t rank);
 
+// Removes `file` in `directory` and the directory (it holds nothing else),
+// then clears `directory`; nothing when it is empty. Never throws: the
+// swappers call it from destructors and error paths.
+void remove_swap_directory(std::string& directory, const std::string& file) noexcept;
+
 }  // namespace zeroshard

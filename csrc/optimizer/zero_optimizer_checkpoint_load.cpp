@@ -269,6 +269,16 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   } catch (const std::exception& e) {
     error = message_of(e);
   }
+  if (replica_comm_) {
+    // Replicas load the same files; an error on any rank of any replica
+    // stops every replica before anything changes.
+    const std::string agreed =
+        checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
+            *replica_comm_, error, device(), "replicas/checkpoint_load"));
+    if (error.empty() && !agreed.empty()) {
+      error = "another replica could not read it " + agreed;
+    }
+  }
   checkpoint_detail::agree_on_errors(
       *comm_, error, "load checkpoint " + path + "; nothing was loaded on any rank", device());
   // Every rank must have read the same checkpoint (a file system that is not

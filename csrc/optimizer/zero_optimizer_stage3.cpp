@@ -119,6 +119,8 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
                             ? gatherer_->full(g, b)
                             : shards_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
+      // Hybrid sharding: modifier_rank of the first replica decides.
+      broadcast_across_replicas(full, "modified/" + bucket_tag(g, b));
       at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
       write_master(g, bucket.shard_offset, mine);
       if (param_swapper_) {

@@ -17,11 +17,18 @@ def _estimate_command(args: argparse.Namespace) -> int:
         offload_optimizer=args.offload_optimizer,
         offload_param=args.offload_param,
         largest_unit_params=parse_count(args.largest_unit),
+        tensor_parallel_size=args.tensor_parallel,
+        pipeline_parallel_size=args.pipeline_parallel,
         **options,
+    )
+    degrees = (
+        f", TP {args.tensor_parallel} x PP {args.pipeline_parallel}"
+        if args.tensor_parallel * args.pipeline_parallel > 1
+        else ""
     )
     print(
         f"{parse_count(args.params) / 1e9:.3f}B parameters, {args.world_size} ranks "
-        f"({args.ranks_per_node} per node), {args.precision}, {args.optimizer}; "
+        f"({args.ranks_per_node} per node{degrees}), {args.precision}, {args.optimizer}; "
         f"GB (1e9 bytes) per rank unless per node"
     )
     print(format_table(rows))
@@ -67,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     est = commands.add_parser("estimate", help="per-rank memory of model states by ZeRO stage")
     est.add_argument("--params", required=True, help="parameter count, e.g. 7.5e9 or 7.5B")
-    est.add_argument("--world-size", type=int, required=True)
+    est.add_argument("--world-size", type=int, required=True, help="all ranks: DP x TP x PP")
+    est.add_argument("--tensor-parallel", type=int, default=1, help="TP degree")
+    est.add_argument("--pipeline-parallel", type=int, default=1, help="PP degree")
     est.add_argument("--ranks-per-node", type=int, default=1)
     est.add_argument("--precision", default="mixed16", choices=["mixed16", "fp32"])
     est.add_argument(

@@ -78,6 +78,8 @@ def estimate(
     nvme_buffer_count: int = 4,
     param_max_in_cpu: float = 1e9,
     param_buffer_count: int = 5,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -94,7 +96,9 @@ def estimate(
     host memory and ``param_buffer_count`` buckets (at most the largest
     unit's shard each) are read ahead: both in ``cpu_bytes_per_node``, the
     rest in ``nvme_bytes_per_node`` (offload_param's max_in_cpu and
-    buffer_count).
+    buffer_count). With tensor and pipeline parallelism, ``world_size`` is
+    every rank (DP x TP x PP): a rank holds 1/(TP x PP) of the model, ZeRO
+    shards it over the DP ranks, and a unit is split TP ways.
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -124,6 +128,8 @@ def estimate(
                 int(nvme_buffer_count),
                 float(param_max_in_cpu),
                 int(param_buffer_count),
+                int(tensor_parallel_size),
+                int(pipeline_parallel_size),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <string>
+
 namespace zeroshard {
 namespace {
 
@@ -17,6 +19,37 @@ TEST(MemoryEstimatorTest, ReproducesTheZeroPaperFigures) {
   EXPECT_NEAR(ModelStates(estimate_memory(1, options)) / 1e9, 31.4, 0.05);
   EXPECT_NEAR(ModelStates(estimate_memory(2, options)) / 1e9, 16.6, 0.05);
   EXPECT_NEAR(ModelStates(estimate_memory(3, options)) / 1e9, 1.875, 0.001);
+}
+
+TEST(MemoryEstimatorTest, TensorAndPipelineParallelDegreesSplitTheModelBeforeZero) {
+  // The seeds' 3D example: 175B parameters on 64 ranks, TP 8 inside a node,
+  // PP 4, so DP 2: each rank holds 175e9 / 32 parameters, ZeRO halves that.
+  const double slice = 175e9 / 32;
+  auto options = EstimateOptions()
+                     .num_params(175e9)
+                     .largest_unit_params(1.2e9)
+                     .world_size(64)
+                     .tensor_parallel_size(8)
+                     .pipeline_parallel_size(4);
+  EXPECT_DOUBLE_EQ(ModelStates(estimate_memory(1, options)),
+                   2 * slice + 2 * slice + 12 * slice / 2);
+  EXPECT_DOUBLE_EQ(ModelStates(estimate_memory(3, options)), 16 * slice / 2);
+  // A unit is split TP ways: 1.2e9 / 8 parameters gathered, params and grads.
+  EXPECT_DOUBLE_EQ(estimate_memory(3, options).working_bytes, 4 * 1.2e9 / 8);
+  // The same as ZeRO over the DP ranks alone on the rank's slice of the model.
+  auto slice_only =
+      EstimateOptions().num_params(slice).largest_unit_params(1.2e9 / 8).world_size(2);
+  EXPECT_DOUBLE_EQ(estimate_memory(2, options).device_bytes,
+                   estimate_memory(2, slice_only).device_bytes);
+  try {
+    estimate_memory(1, EstimateOptions().num_params(1e9).world_size(12).tensor_parallel_size(8));
+    ADD_FAILURE() << "world_size 12 with TP 8 should be refused";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("world_size 12 must be a multiple of "
+                                         "tensor_parallel_size x pipeline_parallel_size = 8"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {

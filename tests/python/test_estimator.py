@@ -23,6 +23,18 @@ def test_zero_paper_figures() -> None:
     assert got == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.05)
 
 
+def test_tensor_and_pipeline_degrees_split_the_model_before_zero() -> None:
+    # 175B on 64 ranks as TP 8 x PP 4 x DP 2: ZeRO over 2 ranks of a 1/32 slice.
+    rows = zeroshard.estimate(
+        num_params="175B", world_size=64, tensor_parallel_size=8, pipeline_parallel_size=4
+    )
+    sliced = zeroshard.estimate(num_params=175e9 / 32, world_size=2)
+    assert [r["model_state_bytes"] for r in rows] == [r["model_state_bytes"] for r in sliced]
+    assert rows[3]["model_state_bytes"] == pytest.approx(8 * 175e9 / 32)
+    with pytest.raises(ValueError, match="must be a multiple of tensor_parallel_size"):
+        zeroshard.estimate(num_params="1B", world_size=12, tensor_parallel_size=8)
+
+
 def test_deepspeed_formulas_through_python() -> None:
     p, n = 1e9, 16
     assert deepspeed_estimate(2, p, world_size=n, ranks_per_node=8)["device_bytes"] == (

@@ -253,6 +253,13 @@ def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
         again.step()
     with again.gathered_parameters():
         hybrid_resumed = snapshot(resumed)
+    # An edit on global rank 0 (modifier rank 0 of the first replica) reaches
+    # every replica.
+    with again.gathered_parameters(modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            resumed.fc1.weight.fill_(0.25)
+    with again.gathered_parameters():
+        edited = resumed.fc1.weight.detach().clone()
     plain_model = make_model(seed=2)
     plain = _make(plain_model, 2, {"process_group": dist.group.WORLD})
     plain.load_checkpoint(path)
@@ -260,6 +267,7 @@ def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
         "uninterrupted": uninterrupted,
         "hybrid_resumed": hybrid_resumed,
         "plain_loaded": snapshot(plain_model),
+        "edited": edited,
     }
 
 
@@ -268,6 +276,7 @@ def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path) -> None
     saved_at_4 = reference(steps=4)
     for rank, r in enumerate(results):
         assert max_abs_diff(r["hybrid_resumed"], r["uninterrupted"]) == 0.0, rank
+        assert torch.equal(r["edited"], torch.full_like(r["edited"], 0.25)), rank
         diff = max_abs_diff(r["plain_loaded"], saved_at_4)
         print(f"rank {rank}: plain stage 2 over 4 ranks loaded the hybrid checkpoint, {diff:.3e}")
         assert diff <= TOLERANCE, (rank, diff)

@@ -126,20 +126,25 @@ WIDTH = 64
 BUFFERS = 2
 
 
+def _on_nvme(model: nn.Module, path: str, **nvme: Any) -> Any:
+    """Stage 3, optimizer state on the host, every parameter shard on NVMe."""
+    return zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=3,
+        module=model,
+        offload_optimizer="cpu",
+        offload_param=_nvme(Path(path), **nvme),
+        stage3_param_persistence_threshold=0,
+    )
+
+
 def _resident(rank: int, world_size: int, path: str) -> list[dict[str, int]]:
     out = []
     for depth in (2, 8):
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(depth)))
-        optimizer = zeroshard.ZeroOptimizer(
-            model.parameters(),
-            "adamw",
-            stage=3,
-            module=model,
-            offload_optimizer="cpu",
-            offload_param=_nvme(Path(path), buffer_count=BUFFERS, max_in_cpu=0),
-            stage3_param_persistence_threshold=0,
-        )
+        optimizer = _on_nvme(model, path, buffer_count=BUFFERS, max_in_cpu=0)
         warm: dict[str, int] = {}
         for step in range(4):
             if step == 2:
@@ -185,15 +190,7 @@ def test_resident_parameter_shards_are_buffer_count_buckets_whatever_the_model_s
 def _damaged(rank: int, world_size: int, path: str) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
-    optimizer = zeroshard.ZeroOptimizer(
-        model.parameters(),
-        "adamw",
-        stage=3,
-        module=model,
-        offload_optimizer="cpu",
-        offload_param=_nvme(Path(path), max_in_cpu=0),
-        stage3_param_persistence_threshold=0,
-    )
+    optimizer = _on_nvme(model, path, max_in_cpu=0)
     directory = optimizer.nvme_stats()["parameters"]["directory"]
     os.truncate(os.path.join(directory, "parameters.swap"), 0)
     try:

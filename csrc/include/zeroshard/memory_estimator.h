@@ -28,7 +28,12 @@ StateKind parse_state_kind(const std::string& optimizer_name);
 struct EstimateOptions {
   TORCH_ARG(double, num_params) = 0;           // Ψ
   TORCH_ARG(double, largest_unit_params) = 0;  // parameters of the largest gathered unit
-  TORCH_ARG(int64_t, world_size) = 1;          // N
+  TORCH_ARG(int64_t, world_size) = 1;          // N = DP x TP x PP ranks
+  // Model parallel degrees (the seeds' 3D parallelism): each rank holds
+  // 1/(TP x PP) of the model and ZeRO shards that over the N/(TP x PP)
+  // data-parallel ranks; a unit (within one pipeline stage) is split TP ways.
+  TORCH_ARG(int64_t, tensor_parallel_size) = 1;
+  TORCH_ARG(int64_t, pipeline_parallel_size) = 1;
   TORCH_ARG(int64_t, ranks_per_node) = 1;
   TORCH_ARG(PrecisionRecipe, precision) = PrecisionRecipe::kMixed16;
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;

@@ -221,8 +221,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Collective. Gathers the buckets holding `params` (all parameters when
   // empty) and keeps them gathered until unpin_parameters. With
   // modifier_rank >= 0, unpinning broadcasts that rank's values and stores
-  // them in the shards (edits made while gathered persist). Any stage: at
-  // stages 1 and 2 parameters are always gathered, so only the broadcast acts.
+  // them in the shards (edits made while gathered persist); with hybrid
+  // sharding, modifier_rank is a rank of the first replica's shard group and
+  // every replica gets its values. Any stage: at stages 1 and 2 parameters
+  // are always gathered, so only the broadcast acts.
   void pin_parameters(const std::vector<at::Tensor>& params);
   void unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank = -1);
 
