@@ -117,18 +117,19 @@ void bind_engine(py::module_& m) {
           "resolve_auto",
           [](DeepSpeedConfig& c, double num_params, double largest_unit_params,
              int64_t ranks_per_node, double device_bytes, double host_bytes, double nvme_bytes,
-             bool device_is_host, bool needs_stage3) {
+             bool device_is_host, bool needs_stage3, double activation_bytes) {
             AvailableMemory available;
             available.device_bytes = device_bytes;
             available.host_bytes = host_bytes;
             available.nvme_bytes = nvme_bytes;
             available.device_is_host = device_is_host;
             return resolve_auto_configuration(c, num_params, largest_unit_params, ranks_per_node,
-                                              available, needs_stage3);
+                                              available, needs_stage3, activation_bytes);
           },
           py::arg("num_params"), py::arg("largest_unit_params"), py::arg("ranks_per_node"),
           py::arg("device_bytes"), py::arg("host_bytes"), py::arg("nvme_bytes"),
           py::arg("device_is_host"), py::arg("needs_stage3") = false,
+          py::arg("activation_bytes") = 0.0,
           "Resolves \"auto\" settings (see zeroshard::resolve_auto_configuration); returns "
           "the decision and its figures, raises ValueError naming what is short.");
   m.def(

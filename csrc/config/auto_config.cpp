@@ -29,7 +29,8 @@ bool has_auto_settings(const DeepSpeedConfig& config) {
 
 std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
                                        double largest_unit_params, int64_t ranks_per_node,
-                                       const AvailableMemory& available, bool needs_stage3) {
+                                       const AvailableMemory& available, bool needs_stage3,
+                                       double activation_bytes) {
   if (!has_auto_settings(config)) {
     return "";
   }
@@ -39,8 +40,10 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
       EstimateOptions()
           .num_params(num_params)
           .largest_unit_params(largest_unit_params)
-          .world_size(config.world_size)
+          // Hybrid sharding: the state is sharded over a shard group.
+          .world_size(config.shard_group_size > 1 ? config.shard_group_size : config.world_size)
           .ranks_per_node(ranks_per_node)
+          .activation_bytes(activation_bytes)
           .precision(config.fp16.enabled || config.bf16.enabled ? PrecisionRecipe::kMixed16
                                                                 : PrecisionRecipe::kFp32)
           .optimizer(state_kind_of(config))

@@ -84,6 +84,38 @@ StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer)
   return bytes;
 }
 
+double estimate_activation_bytes(const TransformerShape& shape) {
+  for (int64_t value : {shape.layers(), shape.hidden(), shape.heads(), shape.sequence_length(),
+                        shape.micro_batch(), shape.tensor_parallel_size()}) {
+    TORCH_CHECK_VALUE(value >= 1,
+                      "a transformer shape needs layers, hidden, heads, sequence_length, "
+                      "micro_batch and tensor_parallel_size >= 1; got ",
+                      value);
+  }
+  TORCH_CHECK_VALUE(shape.bytes_per_value() == 2 || shape.bytes_per_value() == 4,
+                    "bytes_per_value must be 2 (16-bit) or 4 (fp32), got ",
+                    shape.bytes_per_value());
+  const double s = static_cast<double>(shape.sequence_length());
+  const double b = static_cast<double>(shape.micro_batch());
+  const double h = static_cast<double>(shape.hidden());
+  const double a = static_cast<double>(shape.heads());
+  const double t = static_cast<double>(shape.tensor_parallel_size());
+  const double scale = static_cast<double>(shape.bytes_per_value()) / 2;
+  // eq. 2: 10 sbh of which 2 sbh are dropout masks (1 byte: not scaled),
+  // 24 sbh / t, and 5 a s^2 b / t (of which a s^2 b / t are masks).
+  const double masks = s * b * h * 2 + a * s * s * b / t;
+  const double values = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) - masks;
+  const double layer = values * scale + masks;
+  const double layers = static_cast<double>(shape.layers());
+  const double stored =
+      shape.checkpointing()
+          ? layers * s * b * h * static_cast<double>(shape.bytes_per_value()) + layer
+          : layers * layer;
+  const double logits = s * b * static_cast<double>(shape.vocab()) / t *
+                        static_cast<double>(shape.bytes_per_value() + 4);
+  return stored + logits;
+}
+
 MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   TORCH_CHECK_VALUE(stage >= 0 && stage <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage);
   TORCH_CHECK_VALUE(options.num_params() > 0, "the parameter count must be > 0, got ",
@@ -181,8 +213,11 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   } else {
     offload(options.offload_param(), estimate.param_bytes);
   }
-  estimate.device_bytes = estimate.param_bytes + estimate.grad_bytes + estimate.optimizer_bytes +
-                          estimate.working_bytes;
+  TORCH_CHECK_VALUE(options.activation_bytes() >= 0, "activation_bytes must be >= 0, got ",
+                    options.activation_bytes());
+  estimate.activation_bytes = options.activation_bytes();
+  estimate.device_bytes = estimate.activation_bytes + estimate.param_bytes + estimate.grad_bytes +
+                          estimate.optimizer_bytes + estimate.working_bytes;
   return estimate;
 }
 

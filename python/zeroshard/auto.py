@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.estimator import count_model, parse_bytes
+from zeroshard.estimator import activation_bytes, count_model, parse_bytes
 
 
 def _host_available_bytes() -> float:
@@ -39,6 +39,7 @@ def resolve_auto(
     model: nn.Module,
     process_group: dist.ProcessGroup,
     memory_limit: float | str | None = None,
+    sequence_length: int | None = None,
 ) -> str:
     """Resolves the config's ``"auto"`` settings in place; returns the decision.
 
@@ -49,6 +50,10 @@ def resolve_auto(
         memory_limit: at most this much memory per rank is planned for (on the
             training device; on a CPU device, RAM): e.g. ``"8GB"`` to leave
             room for activations. Default: what is free.
+        sequence_length: tokens per sequence: with it, the activations of a
+            micro-batch of a transformer whose ``model.config`` gives its
+            shape (:func:`zeroshard.estimator.activation_bytes`) are counted
+            on the device too.
 
     Raises:
         ValueError: on every rank, when nothing fits, naming what is short.
@@ -85,6 +90,23 @@ def resolve_auto(
     )
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
     device, host, disk, ranks = (float(x) for x in agreed.cpu())
+    precision = "mixed16" if parsed.bf16 or parsed.fp16 else "fp32"
+    micro_batch = int(parsed.train_micro_batch_size_per_gpu)
+    activations = (
+        activation_bytes(model, micro_batch, sequence_length, precision=precision)
+        if sequence_length
+        else None
+    )
+    if activations is None:
+        counted = (
+            "Activations are not counted: pass sequence_length= for a model whose "
+            "config gives its shape, or leave room for them with memory_limit=."
+        )
+    else:
+        counted = (
+            f"Counted with {activations / 1e9:.3f} GB of activations per rank (micro-batch "
+            f"{micro_batch}, {sequence_length} tokens)."
+        )
     decision = parsed.resolve_auto(
         float(num_params),
         float(largest_unit),
@@ -95,7 +117,9 @@ def resolve_auto(
         not on_gpu,
         # Only stage 3 builds meta models and has units.
         meta or bool(parsed.unit_classes),
+        activations or 0.0,
     )
+    decision = f"{decision} {counted}"
     if dist.get_rank(process_group) == 0:
         print(f"[zeroshard] {decision}", flush=True)
     return decision

@@ -319,6 +319,7 @@ def initialize(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     check_collective_order: bool = True,
     memory_limit: float | str | None = None,
+    sequence_length: int | None = None,
 ) -> tuple[Engine, ZeroOptimizer, None, _ConfiguredScheduler | None]:
     """Builds the engine, optimizer and scheduler a DeepSpeed config describes.
 
@@ -332,7 +333,8 @@ def initialize(
     ``"auto"`` as ``zero_optimization.stage`` or an offload section's
     ``device`` is resolved first from the estimator and the memory free on
     the ranks (see :func:`zeroshard.auto.resolve_auto`; ``memory_limit`` caps
-    the memory per rank it plans for); rank 0 prints the decision and the
+    the memory per rank it plans for; ``sequence_length`` makes it count a
+    transformer's activations too); rank 0 prints the decision and the
     figures behind it, and every rank raises ``ValueError`` naming what is
     short when nothing fits.
 
@@ -357,7 +359,7 @@ def initialize(
         groups = hybrid_groups(parsed.shard_group_size, groups.shard)
     process_group = groups.shard
     if parsed.has_auto_settings():
-        resolve_auto(parsed, model, process_group, memory_limit)
+        resolve_auto(parsed, model, process_group, memory_limit, sequence_length)
     parsed.check_supported()
     arguments = parsed.optimizer_arguments()
     zero = dict(arguments["zero_options"])

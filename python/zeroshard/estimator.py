@@ -61,6 +61,56 @@ def count_model(model: nn.Module) -> tuple[int, int]:
     return total, largest
 
 
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def activation_bytes(
+    model: nn.Module,
+    micro_batch: int,
+    sequence_length: int,
+    *,
+    precision: str = "mixed16",
+    checkpointing: bool | None = None,
+    tensor_parallel_size: int = 1,
+) -> float | None:
+    """Bytes of activations per rank for one micro-batch of a transformer, or None.
+
+    The shape comes from a Hugging Face-style ``model.config`` (``hidden_size``
+    or ``n_embd``, ``num_hidden_layers`` or ``n_layer``,
+    ``num_attention_heads`` or ``n_head``, ``vocab_size``); None when the
+    model has none. ``checkpointing`` defaults to the model's
+    ``is_gradient_checkpointing``. The formula is the C++ core's
+    ``zeroshard::estimate_activation_bytes`` (Korthikanti et al. 2022).
+    """
+    config = getattr(model, "config", None)
+    layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _config_value(config, "hidden_size", "n_embd", "d_model")
+    heads = _config_value(config, "num_attention_heads", "n_head")
+    vocab = _config_value(config, "vocab_size") or 0
+    if layers is None or hidden is None or heads is None:
+        return None
+    if checkpointing is None:
+        checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    return float(
+        _C.estimate_activation_bytes(
+            layers,
+            hidden,
+            heads,
+            vocab,
+            int(sequence_length),
+            int(micro_batch),
+            2 if precision == "mixed16" else 4,
+            bool(checkpointing),
+            int(tensor_parallel_size),
+        )
+    )
+
+
 def estimate(
     num_params: float | str | None = None,
     *,
@@ -80,6 +130,7 @@ def estimate(
     param_buffer_count: int = 5,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    activation_bytes: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -99,6 +150,8 @@ def estimate(
     buffer_count). With tensor and pipeline parallelism, ``world_size`` is
     every rank (DP x TP x PP): a rank holds 1/(TP x PP) of the model, ZeRO
     shards it over the DP ranks, and a unit is split TP ways.
+    ``activation_bytes`` (per rank, e.g. from :func:`activation_bytes`) is
+    added to ``device_bytes``.
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -130,6 +183,7 @@ def estimate(
                 int(param_buffer_count),
                 int(tensor_parallel_size),
                 int(pipeline_parallel_size),
+                float(activation_bytes),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
@@ -246,6 +300,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 __all__ = [
+    "activation_bytes",
     "count_model",
     "deepspeed_estimate",
     "estimate",

@@ -52,6 +52,30 @@ TEST(MemoryEstimatorTest, TensorAndPipelineParallelDegreesSplitTheModelBeforeZer
   }
 }
 
+TEST(MemoryEstimatorTest, ActivationsFollowKorthikantiAndCountOnTheDevice) {
+  // GPT-3 175B's shape (h 12288, a 96, s 2048, 96 layers), micro-batch 1,
+  // TP 8: eq. 2 of Korthikanti et al. gives s*b*h*(10 + 24/t + 5*a*s/(h*t))
+  // bytes per layer in 16 bits.
+  auto shape = TransformerShape()
+                   .layers(96)
+                   .hidden(12288)
+                   .heads(96)
+                   .sequence_length(2048)
+                   .micro_batch(1)
+                   .tensor_parallel_size(8);
+  const double sbh = 2048.0 * 12288;
+  const double per_layer = sbh * (10 + 24.0 / 8 + 5.0 * 96 * 2048 / (12288 * 8));
+  EXPECT_DOUBLE_EQ(estimate_activation_bytes(shape), 96 * per_layer);  // vocab 0: no logits
+  // fp32 doubles everything but the 1-byte dropout masks.
+  const double masks = sbh * 2 + 96.0 * 2048 * 2048 / 8;
+  EXPECT_DOUBLE_EQ(estimate_activation_bytes(shape.bytes_per_value(4)),
+                   96 * (2 * (per_layer - masks) + masks));
+  auto options = EstimateOptions().num_params(1e9).world_size(8);
+  const double without = estimate_memory(2, options).device_bytes;
+  const double with = estimate_memory(2, options.activation_bytes(3e9)).device_bytes;
+  EXPECT_DOUBLE_EQ(with - without, 3e9);
+}
+
 TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
   auto fp32 = state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kAdam);
   EXPECT_EQ(fp32.param, 4);

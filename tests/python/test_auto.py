@@ -124,3 +124,71 @@ def test_auto_names_what_is_short_on_every_rank() -> None:
         assert "nothing fits: even ZeRO stage 3 + optimizer offload to cpu" in message
         assert "short of host memory by" in message
         assert "NVMe not tried: no nvme_path given" in message
+
+
+# ---- Activations ----------------------------------------------------------------------
+
+GPT2_SHAPE = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "n_positions": 64}
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**GPT2_SHAPE))
+
+
+def test_activation_bytes_follow_korthikanti_for_a_gpt2_config() -> None:
+    s, b, h, a, layers, vocab = 64, 2, 32, 2, 2, 64
+    masks = 2 * s * b * h + a * s * s * b  # 1-byte dropout masks
+    values = s * b * h * (34 + 5 * a * s / h) - masks
+    fp32 = layers * (2 * values + masks) + s * b * vocab * (4 + 4)
+    bf16 = layers * (values + masks) + s * b * vocab * (2 + 4)
+    model = _gpt2()
+    assert zeroshard.estimator.activation_bytes(model, b, s, precision="fp32") == fp32
+    assert zeroshard.estimator.activation_bytes(model, b, s) == bf16
+    # Checkpointing keeps each layer's input and one layer's full set.
+    checkpointed = layers * s * b * h * 4 + (2 * values + masks) + s * b * vocab * 8
+    got = zeroshard.estimator.activation_bytes(model, b, s, precision="fp32", checkpointing=True)
+    assert got == checkpointed
+    assert zeroshard.estimator.activation_bytes(nn.Linear(3, 3), b, s) is None  # no config
+
+
+def _run_gpt2(rank: int, world_size: int, limit: float, sequence_length: int | None) -> Any:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": "auto"},
+    }
+    engine, *_ = zeroshard.initialize(
+        _gpt2(), config=config, memory_limit=limit, sequence_length=sequence_length
+    )
+    tokens = torch.randint(0, GPT2_SHAPE["vocab_size"], (2, 16))
+    engine.backward(engine(tokens, labels=tokens).loss)
+    engine.step()
+    return engine.config.zero_stage
+
+
+def test_auto_counts_activations_when_the_sequence_length_is_given(capfd) -> None:
+    model = _gpt2()
+    total, largest = zeroshard.estimator.count_model(model)
+    rows = zeroshard.estimate(
+        total,
+        largest_unit_params=largest,
+        world_size=WORLD,
+        ranks_per_node=WORLD,
+        precision="fp32",
+        stages=(1, 2),
+    )
+    need = {r["stage"]: r["device_bytes"] * WORLD + r["cpu_bytes_per_node"] for r in rows}
+    activations = zeroshard.estimator.activation_bytes(model, 2, 64, precision="fp32")
+    assert activations is not None
+    # Room for stage 1's model states, and for stage 2's plus activations only.
+    budget = max(need[1] * 1.01, (need[1] + need[2]) / 2 + WORLD * activations)
+    assert need[1] + WORLD * activations > budget > need[2] + WORLD * activations
+    assert unwrap(run_ranks(WORLD, _run_gpt2, budget / WORLD, None)) == [1, 1]
+    printed = capfd.readouterr().out
+    assert "Activations are not counted: pass sequence_length=" in printed, printed
+    assert unwrap(run_ranks(WORLD, _run_gpt2, budget / WORLD, 64)) == [2, 2]
+    printed = capfd.readouterr().out
+    assert f"Counted with {activations / 1e9:.3f} GB of activations per rank" in printed, printed

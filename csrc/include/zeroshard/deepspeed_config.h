@@ -179,7 +179,8 @@ bool has_auto_settings(const DeepSpeedConfig& config);
 // unit's shard fits offload_param.buffer_size.
 std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_params,
                                        double largest_unit_params, int64_t ranks_per_node,
-                                       const AvailableMemory& available, bool needs_stage3 = false);
+                                       const AvailableMemory& available, bool needs_stage3 = false,
+                                       double activation_bytes = 0);
 
 // The learning rate DeepSpeed's scheduler (deepspeed/runtime/lr_schedules.py) sets when its
 // last_batch_iteration is `step`, for an optimizer whose configured lr is `base_lr`; base_lr

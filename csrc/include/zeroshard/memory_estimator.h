@@ -34,6 +34,10 @@ struct EstimateOptions {
   // data-parallel ranks; a unit (within one pipeline stage) is split TP ways.
   TORCH_ARG(int64_t, tensor_parallel_size) = 1;
   TORCH_ARG(int64_t, pipeline_parallel_size) = 1;
+  // Activation memory per rank on the device (estimate_activation_bytes, or
+  // measured), counted in device_bytes: model states alone say nothing of
+  // whether a micro-batch fits.
+  TORCH_ARG(double, activation_bytes) = 0;
   TORCH_ARG(int64_t, ranks_per_node) = 1;
   TORCH_ARG(PrecisionRecipe, precision) = PrecisionRecipe::kMixed16;
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
@@ -57,11 +61,12 @@ struct EstimateOptions {
 // Bytes per rank unless named per node.
 struct MemoryEstimate {
   int64_t stage = 0;
-  double param_bytes = 0;      // on the device, between steps
-  double grad_bytes = 0;       // on the device, after backward
-  double optimizer_bytes = 0;  // on the device (fp32 master + states)
-  double working_bytes = 0;    // stage 3: the largest unit gathered (params + grads)
-  double device_bytes = 0;     // all of the above
+  double param_bytes = 0;       // on the device, between steps
+  double grad_bytes = 0;        // on the device, after backward
+  double optimizer_bytes = 0;   // on the device (fp32 master + states)
+  double working_bytes = 0;     // stage 3: the largest unit gathered (params + grads)
+  double activation_bytes = 0;  // EstimateOptions::activation_bytes
+  double device_bytes = 0;      // all of the above
   // Offloaded to CPU memory, all ranks of a node. For CPU optimizer offload:
   // the fp32 master (a copy of its own even for fp32 parameters) and moments
   // of the offloaded sub-groups, plus the staging buffers of the offloaded
@@ -72,6 +77,31 @@ struct MemoryEstimate {
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };
+
+// The shape of a decoder-only transformer's training step, for its
+// activation memory.
+struct TransformerShape {
+  TORCH_ARG(int64_t, layers) = 0;
+  TORCH_ARG(int64_t, hidden) = 0;
+  TORCH_ARG(int64_t, heads) = 0;
+  TORCH_ARG(int64_t, vocab) = 0;
+  TORCH_ARG(int64_t, sequence_length) = 0;
+  TORCH_ARG(int64_t, micro_batch) = 0;
+  // 2 for bf16/fp16 activations, 4 for fp32.
+  TORCH_ARG(int64_t, bytes_per_value) = 2;
+  // Activation checkpointing of every layer.
+  TORCH_ARG(bool, checkpointing) = false;
+  TORCH_ARG(int64_t, tensor_parallel_size) = 1;
+};
+
+// Bytes of activations a rank holds at the peak of one micro-batch's
+// forward and backward. Per layer, Korthikanti et al. 2022 ("Reducing
+// Activation Recomputation in Large Transformer Models", eq. 2, no sequence
+// parallelism): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes with 16-bit values and
+// 1-byte dropout masks, the 2-byte terms doubled for fp32; with
+// checkpointing, each layer's input (s*b*h values) plus one layer's full
+// set. Plus the logits and their fp32 copy for the loss: s*b*V*(value + 4).
+double estimate_activation_bytes(const TransformerShape& shape);
 
 // Bytes per parameter of each model state under a recipe and optimizer.
 struct StateBytes {
