@@ -79,7 +79,12 @@ def _make(model: nn.Module, stage: int, groups: dict[str, Any], **extra: Any) ->
     )
 
 
+_EXTRA = {"offload": {"offload_optimizer": "cpu", "sub_group_size": 100}}
+
+
 def _train(rank: int, world_size: int, stage: int, how: str) -> dict[str, Any]:
+    how, _, extra_name = how.partition("+")
+    extra = _EXTRA.get(extra_name, {})
     torch.manual_seed(rank)
     model = make_model(seed=0)
     if rank != 0:  # construction starts every rank from global rank 0's values
@@ -87,12 +92,12 @@ def _train(rank: int, world_size: int, stage: int, how: str) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     groups = _groups(how)
-    optimizer = _make(model, stage, groups)
+    optimizer = _make(model, stage, groups, **extra)
     # Plain ZeRO over this rank's shard group alone: the traffic the shard
     # group should see.
     plain_model = make_model(seed=0)
     shard_group = optimizer._process_group
-    plain = _make(plain_model, stage, {"process_group": shard_group})
+    plain = _make(plain_model, stage, {"process_group": shard_group}, **extra)
     per_step: list[dict[str, Any]] = []
     for step in range(STEPS):
         for opt, net in ((optimizer, model), (plain, plain_model)):
@@ -129,7 +134,9 @@ def trained(stage: int, how: str) -> list[dict[str, Any]]:
     return _RESULTS[key]
 
 
-@pytest.mark.parametrize(("stage", "how"), [(1, "groups"), (2, "mesh"), (3, "mesh"), (3, "groups")])
+@pytest.mark.parametrize(
+    ("stage", "how"), [(1, "groups"), (2, "mesh"), (3, "mesh"), (3, "groups"), (2, "mesh+offload")]
+)
 def test_hybrid_sharding_matches_torch_optim(stage: int, how: str) -> None:
     results = trained(stage, how)
     expected = reference()

@@ -216,3 +216,32 @@ def test_checkpoint_of_tensor_parallel_parameters_is_refused_on_every_rank(tmp_p
         assert isinstance(r, RankError) and r.type_name == "NotImplementedError", r
         assert "full_state_dict()" in r.message
     assert not (tmp_path / "ckpt").exists()
+
+
+def _engine(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _parallelized(mesh)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // DP,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=config, mesh=mesh["dp"])
+    for step in range(STEPS):
+        engine.backward(loss_of(engine, *_local_batch(step, dp_rank)))
+        engine.step()
+    return {"full": optimizer.full_state_dict(rank=0), "dp_rank": dp_rank}
+
+
+def test_engine_with_a_tensor_parallel_model_and_the_dp_mesh() -> None:
+    expected, _ = reference()
+    for rank, r in enumerate(unwrap(run_ranks(WORLD, _engine))):
+        if r["dp_rank"] == 0:
+            diff = _max_diff(r["full"], expected)
+            print(f"engine rank {rank}: max abs diff {diff:.3e}")
+            assert diff <= TOLERANCE, (rank, diff)
