@@ -184,6 +184,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.reduce_in_fp32(value.cast<bool>());
     } else if (key == "gloo_reduce_scatter_all_to_all") {
       options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
+    } else if (key == "gradient_divide_factor") {
+      options.gradient_divide_factor(value.cast<double>());
     } else if (key == "stage1_reduce_in_backward") {
       options.stage1_reduce_in_backward(value.cast<bool>());
     } else if (key == "offload_optimizer") {
@@ -449,6 +451,9 @@ PYBIND11_MODULE(_C, m) {
           "zero_grad", [](ZeroOptimizer& self, bool set_to_none) { self.zero_grad(set_to_none); },
           py::arg("set_to_none") = true, py::call_guard<py::gil_scoped_release>())
       .def("clip_grad_norm", &ZeroOptimizer::clip_grad_norm, py::arg("max_norm"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("gradient_norm", &ZeroOptimizer::gradient_norm, py::call_guard<py::gil_scoped_release>())
+      .def("scale_gradients", &ZeroOptimizer::scale_gradients, py::arg("coefficient"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "set_failure_store",

@@ -167,7 +167,10 @@ void GradientBuckets::launch_ready() {
 // completed (unused parameters) go last, in layout order.
 void GradientBuckets::finish_round() {
   rounds_since_reset_ += 1;
-  if (launch_eagerly_ && !order_adopted_ && !completed_.empty()) {
+  // Every rank adopts (a broadcast), whatever it saw: a rank whose buckets
+  // all lacked a gradient (a parameter only other ranks used) completed none
+  // of them, and skipping the broadcast there left the others waiting in it.
+  if (launch_eagerly_ && !order_adopted_) {
     adopt_completion_order();
   }
   start_round();

@@ -208,7 +208,10 @@ void ZeroOptimizer::finish_gradient_reduction() {
   reduce_gradient_shards_across_replicas();
   // Gloo has no AVG: sum, then divide; and undo the loss scale. With offload
   // the host kernel applies the factor in its one pass over the gradient.
-  const double divisor = static_cast<double>(data_parallel_world_size()) * loss_scale_;
+  const double ranks = options_.gradient_divide_factor() > 0
+                           ? options_.gradient_divide_factor()
+                           : static_cast<double>(data_parallel_world_size());
+  const double divisor = ranks * loss_scale_;
   if (offloaded_) {
     grad_shard_scale_ = 1.0 / divisor;
   } else {
@@ -221,6 +224,14 @@ void ZeroOptimizer::finish_gradient_reduction() {
 
 at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
+  at::Tensor total_norm = gradient_norm();
+  // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
+  // reciprocal() * scalar), coefficient clamped at 1.
+  scale_gradients(total_norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0));
+  return total_norm;
+}
+
+at::Tensor ZeroOptimizer::gradient_norm() {
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
   // [pieces of tensor-parallel splits, everything else]: see set_tensor_parallel.
@@ -244,17 +255,20 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   if (offloaded_) {
     total_norm.mul_(grad_shard_scale_);  // the shard holds unscaled sums
   }
-  // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
-  // reciprocal() * scalar), coefficient clamped at 1.
-  at::Tensor coefficient = total_norm.add(1e-6).reciprocal().mul(max_norm).clamp_max(1.0);
+  return total_norm;
+}
+
+void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
+  finish_gradient_reduction();
+  at::NoGradGuard no_grad;
   if (offloaded_) {
     grad_shard_scale_ *= coefficient.item<double>();
-    return total_norm;
+    return;
   }
   for (auto& shard : shards_) {
-    shard.grad_shard.mul_(coefficient.to(shard.grad_shard.scalar_type()));
+    shard.grad_shard.mul_(
+        coefficient.to(shard.grad_shard.device(), shard.grad_shard.scalar_type()));
   }
-  return total_norm;
 }
 
 int64_t ZeroOptimizer::gradient_bytes() const {
@@ -302,8 +316,13 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflo
   }
   flags = flags.to(device());
   comm_->all_reduce_max(flags, "grad_presence");
-  max_across_replicas(flags, "grad_presence");         // a parameter unused on one replica only
-  max_across_tensor_parallel(flags, "grad_presence");  // inf/NaN in one piece skips all
+  max_across_replicas(flags, "grad_presence");  // a parameter unused on one replica only
+  // inf/NaN in one piece skips the step on every piece; presence stays this
+  // rank's own (under expert parallelism the group's ranks hold other
+  // parameters at the same indices).
+  at::Tensor overflow_flag = flags.narrow(0, total, 1).clone();
+  max_across_tensor_parallel(overflow_flag, "overflow");
+  flags.narrow(0, total, 1).copy_(overflow_flag);
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
   *overflow = data[total] != 0;

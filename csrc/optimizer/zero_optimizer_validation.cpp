@@ -72,6 +72,11 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
       options.broadcast_from_rank() >= 0 && options.broadcast_from_rank() < world_size,
       "broadcast_from_rank must be a rank in [0, ", world_size, "), got ",
       options.broadcast_from_rank());
+  TORCH_CHECK_VALUE(
+      std::isfinite(options.gradient_divide_factor()) && options.gradient_divide_factor() >= 0,
+      "gradient_divide_factor must be > 0 (or 0 for the data-parallel world size), "
+      "got ",
+      options.gradient_divide_factor());
 }
 
 void ZeroOptimizer::validate_parameters() const {

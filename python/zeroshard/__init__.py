@@ -7,7 +7,7 @@ idiomatic layer over it.
 from zeroshard.checkpoint import consolidate, consolidated_state_dict
 from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, recommend
-from zeroshard.optimizer import ZeroOptimizer
+from zeroshard.optimizer import ZeroOptimizer, clip_grad_norm_
 from zeroshard.teardown import release_pinned_default_groups
 
 release_pinned_default_groups()
@@ -15,6 +15,7 @@ release_pinned_default_groups()
 __all__ = [
     "Engine",
     "ZeroOptimizer",
+    "clip_grad_norm_",
     "consolidate",
     "consolidated_state_dict",
     "estimate",

@@ -90,6 +90,25 @@ def _failure_prefix(group: dist.ProcessGroup) -> str:
     return f"zeroshard/{name}/optimizer{count}"
 
 
+def clip_grad_norm_(optimizers: Sequence[ZeroOptimizer], max_norm: float) -> torch.Tensor:
+    """Collective: clips the gradients of several optimizers of one model by their joint norm.
+
+    As ``torch.nn.utils.clip_grad_norm_`` over all their parameters: e.g. the
+    dense and the expert parameters of a mixture-of-experts model, each
+    optimizer over its own data-parallel group. Returns the total norm. Every
+    rank passes the same optimizers in the same order; build them with
+    ``max_norm=None``.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    norms = [optimizer._impl.gradient_norm() for optimizer in optimizers]
+    total = torch.stack(norms).norm()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for optimizer in optimizers:
+        optimizer._impl.scale_gradients(coefficient)
+    return total
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
@@ -175,6 +194,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             outstanding at once (bounds staging memory).
         overlap_comm: stage 2 launches each bucket's reduce-scatter as soon as
             it is complete, during backward; False waits for the end of backward.
+        gradient_divide_factor: what the summed gradients are divided by
+            (FSDP2's name); None: the data-parallel world size (the mean).
+        expert_parallel_group: for an optimizer of expert parameters under
+            expert parallelism (each rank of this group holds other experts;
+            ``process_group`` is the expert-data-parallel group, the ranks
+            holding the same experts): the gradient norm adds the experts of
+            every rank of the group. Set ``gradient_divide_factor`` to the
+            whole data-parallel world and clip dense and expert optimizers
+            together with :func:`zeroshard.clip_grad_norm_`. Its gradients
+            are reduced in ``step()`` (they stay in ``.grad`` until then).
         fused: Adam/AdamW through ATen's fused kernel, as torch.optim's
             ``fused=True`` (same results as ``torch.optim.AdamW(fused=True)``;
             several times faster on CPU than the default path).
@@ -219,6 +248,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sub_group_size: int = 1_000_000_000,
         aio: Mapping[str, Any] | None = None,
         failure_report_seconds: float = 3.0,
+        gradient_divide_factor: float | None = None,
+        expert_parallel_group: dist.ProcessGroup | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -281,6 +312,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "sub_group_size": int(sub_group_size),
             "aio": aio_options(aio),
             "materialize_device": str(torch.device(materialize_device)),
+            "gradient_divide_factor": float(gradient_divide_factor or 0.0),
         }
         self._impl = _C.ZeroOptimizer(
             [tp.locals(group["params"]) for group in self.param_groups],
@@ -308,6 +340,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gradient_handles = tp.attach(self, self._impl, stage)
+        if expert_parallel_group is not None:
+            if tp.active:
+                raise ValueError(
+                    "expert_parallel_group= and tensor-parallel (DTensor) parameters in one "
+                    "optimizer are not supported; give the experts an optimizer of their own"
+                )
+            # Each rank's experts are other tensors: their norms add up over
+            # the group, as the pieces of a tensor-parallel split do.
+            self._impl.set_tensor_parallel(
+                expert_parallel_group, [[True] * len(g["params"]) for g in self.param_groups]
+            )
+            # Expert gradients are reduced in step(), never from backward
+            # hooks: which experts a rank's tokens reach differs between
+            # ranks, so the order in which this optimizer's and the dense
+            # optimizer's hooks fire does too, and collectives of the two
+            # issued in different orders on different ranks would deadlock.
+            self._impl.set_gradient_sync(False)
         if stage == 3:
             assert module is not None
             if any(p.is_meta for group in self.param_groups for p in group["params"]):

@@ -171,3 +171,45 @@ def test_no_sync_after_a_synced_backward_is_reduced_at_step() -> None:
             (loss_of(model, batch(step, micro, 0, 1)) / 2).backward()
         optimizer.step()
     assert_ranks_match_reference(results, snapshot(model), 1e-6, "synced then no_sync")
+
+
+# ---- A parameter only some ranks use ---------------------------------------------------
+
+
+def _two_layers() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Linear(3, 3), nn.Linear(3, 3)
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, generator=torch.Generator().manual_seed(40 + rank))
+
+
+def _used_on_rank_0_only(rank: int, world_size: int, stage: int) -> dict[str, torch.Tensor]:
+    a, b = _two_layers()
+    model = nn.ModuleDict({"a": a, "b": b})
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        x = _inputs(rank)
+        # b's whole bucket has no gradient on rank 1.
+        loss = a(x).pow(2).sum() + (b(x).pow(2).sum() if rank == 0 else 0)
+        loss.backward()
+        optimizer.step()
+    return snapshot(model)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_used_on_some_ranks_only_trains_and_does_not_hang(stage: int) -> None:
+    # It hung: the bucket-order broadcast ran only on ranks that had completed
+    # a bucket.
+    a, b = _two_layers()
+    model = nn.ModuleDict({"a": a, "b": b})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        x0, x1 = _inputs(0), _inputs(1)
+        ((a(x0).pow(2).sum() + b(x0).pow(2).sum() + a(x1).pow(2).sum()) / 2).backward()
+        optimizer.step()
+    results = unwrap(run_ranks(2, _used_on_rank_0_only, stage))
+    assert_ranks_match_reference(results, snapshot(model), 1e-6, f"stage {stage}")

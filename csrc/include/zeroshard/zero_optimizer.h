@@ -97,6 +97,13 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // L2 norm of max_norm, as torch.nn.utils.clip_grad_norm_ does on the
   // unsharded model, and returns the total norm before clipping.
   at::Tensor clip_grad_norm(double max_norm);
+  // Collective: the global L2 norm of the averaged gradients (what
+  // clip_grad_norm clips), and the multiplication of every gradient by
+  // `coefficient` (a scalar tensor): clip_grad_norm is the two, and several
+  // optimizers of one model (dense and expert parameters) clip by their
+  // combined norm with them.
+  at::Tensor gradient_norm();
+  void scale_gradients(const at::Tensor& coefficient);
 
   // The factor the loss was multiplied by (fp16 loss scaling): step() and
   // clip_grad_norm divide the reduced gradients by it. 1 by default.

@@ -57,6 +57,13 @@ struct ZeroOptions {
   TORCH_ARG(bool, skip_nonfinite_steps) = false;
   // Rank whose initial parameter values every rank starts from.
   TORCH_ARG(int64_t, broadcast_from_rank) = 0;
+  // What the summed gradients are divided by (FSDP2's gradient divide
+  // factor), times the loss scale; 0: the data-parallel world size, the mean
+  // over ranks. Expert parameters under expert parallelism set the whole
+  // data-parallel world here while their optimizer's group is the expert
+  // data-parallel one: each expert's gradient already sums the tokens its
+  // expert-parallel group routed to it.
+  TORCH_ARG(double, gradient_divide_factor) = 0;
 
   // Offload (DeepSpeed's keys and defaults; see offload_options.h). The
   // optimizer state (fp32 master and moments) and the step move to CPU
