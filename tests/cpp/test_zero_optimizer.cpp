@@ -203,6 +203,50 @@ TEST(ZeroOptimizerHybridTest, TwoShardGroupsOfTwoMatchLibTorchAtEveryStage) {
   }
 }
 
+// A parameter only rank 0 uses, in the model's one bucket: the other rank
+// completes no bucket in the first round (that hung: only ranks that had
+// completed one took part in the bucket-order broadcast).
+TEST(ZeroOptimizerErrorsTest, ParameterUsedOnOneRankOnlyTrainsAtStagesOneAndTwo) {
+  constexpr int kWorld = 2;
+  auto adamw = torch::optim::AdamWOptions(1e-2);
+  TinyModel reference(/*seed=*/0);
+  torch::optim::AdamW reference_optimizer(reference.params, adamw);
+  const int64_t per_rank = kGlobalBatch / kWorld;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    reference_optimizer.zero_grad();
+    // The mean of the ranks' losses; only rank 0's holds the extra term.
+    (reference.loss(x, target) + reference.params[4].pow(2).sum() / kWorld).backward();
+    reference_optimizer.step();
+  }
+  for (int stage : {1, 2}) {
+    std::vector<double> diffs(kWorld, -1);
+    std::mutex mutex;
+    auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      TinyModel model(/*seed=*/0);
+      ZeroOptimizer optimizer(model.params, pg, adamw, ZeroOptions().stage(stage));
+      for (int step = 0; step < kSteps; ++step) {
+        auto [x, target] = GlobalBatch(step);
+        optimizer.zero_grad();
+        at::Tensor loss = model.loss(x.narrow(0, rank * per_rank, per_rank),
+                                     target.narrow(0, rank * per_rank, per_rank));
+        if (rank == 0) {
+          loss = loss + model.params[4].pow(2).sum();
+        }
+        loss.backward();
+        optimizer.step();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      diffs[rank] = MaxDiff(model.params, reference.params);
+    });
+    for (int rank = 0; rank < kWorld; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
+      EXPECT_GE(diffs[rank], 0.0);
+      EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
+    }
+  }
+}
+
 TEST_P(ZeroOptimizerTest, SaveLoadContinueEqualsUninterrupted) {
   const int world = GetParam();
   auto options = torch::optim::AdamWOptions(1e-2);
