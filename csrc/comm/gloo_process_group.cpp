@@ -34,7 +34,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
 
 HybridGroups make_hybrid_gloo_groups(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
                                      int64_t world_size, int64_t shard_size,
-                                     std::chrono::milliseconds timeout) {
+                                     std::chrono::milliseconds timeout, const std::string& name) {
   TORCH_CHECK_VALUE(shard_size >= 1 && world_size % shard_size == 0,
                     "hybrid sharding needs a shard group size that divides the world size ",
                     world_size, "; got ", shard_size);
@@ -43,10 +43,10 @@ HybridGroups make_hybrid_gloo_groups(const c10::intrusive_ptr<c10d::Store>& stor
   const int64_t shard_group = rank / shard_size;  // also the rank among replicas
   const int64_t rank_in_shard = rank % shard_size;
   // Each group meets through its own key space of the one store.
-  auto shard_store = c10::make_intrusive<c10d::PrefixStore>(
-      "zeroshard/hybrid/shard" + std::to_string(shard_group), store);
+  auto shard_store =
+      c10::make_intrusive<c10d::PrefixStore>(name + "/shard" + std::to_string(shard_group), store);
   auto replicate_store = c10::make_intrusive<c10d::PrefixStore>(
-      "zeroshard/hybrid/replicate" + std::to_string(rank_in_shard), store);
+      name + "/replicate" + std::to_string(rank_in_shard), store);
   HybridGroups groups;
   groups.shard = make_gloo_process_group(shard_store, rank_in_shard, shard_size, timeout);
   groups.replicate =

@@ -108,8 +108,8 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   }
-  comm_->raise_if_any_rank_failed(
-      error, "load its zeroshard optimizer state; nothing was loaded on any rank", device());
+  raise_if_any_rank_failed(error,
+                           "load its zeroshard optimizer state; nothing was loaded on any rank");
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {

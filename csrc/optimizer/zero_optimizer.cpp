@@ -106,6 +106,28 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   // Usually every rank passes the same arguments and fails alike; if only some
   // do, the others must not wait for them in the first collective.
   raise_if_any_rank_failed(error, "construct its ZeroOptimizer");
+  if (replica_comm_) {
+    // Replicas must hold the same shard: the same position in shard groups
+    // of one size (a replicate group built from other ranks would sum
+    // gradient shards of different elements).
+    const int64_t rank = comm_->rank();
+    const int64_t size = comm_->world_size();
+    at::Tensor extremes = at::tensor({rank, -rank, size, -size}, at::kLong).to(device_);
+    replica_comm_->all_reduce_max(extremes, "replicas/position");
+    extremes = extremes.cpu();
+    const auto* e = extremes.data_ptr<int64_t>();
+    std::string mismatch;
+    if (e[0] != rank || -e[1] != rank || e[2] != size || -e[3] != size) {
+      mismatch =
+          "replicate_group must hold one rank per shard group, each at the same "
+          "position in shard groups of one size; this rank is rank " +
+          std::to_string(rank) + " of a shard group of " + std::to_string(size) +
+          ", its replicate group spans shard ranks " + std::to_string(-e[1]) + ".." +
+          std::to_string(e[0]) + " and shard group sizes " + std::to_string(-e[3]) + ".." +
+          std::to_string(e[2]);
+    }
+    raise_if_any_rank_failed(mismatch, "check its replicate group");
+  }
 
   std::vector<std::vector<int64_t>> numels;
   for (const auto& group : param_groups_) {
@@ -191,8 +213,12 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       failure = std::current_exception();
     }
     if (placement_->offload_tier() == StateTier::kNVMe) {
-      const std::string agreed = checkpoint_detail::combined_error(
+      std::string agreed = checkpoint_detail::combined_error(
           checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_setup"));
+      if (replica_comm_) {  // one node's bad nvme_path stops every replica
+        agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
+            *replica_comm_, agreed, device_, "replicas/nvme_setup"));
+      }
       TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space: ", agreed);
     } else if (failure) {
       std::rethrow_exception(failure);
@@ -212,8 +238,12 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     } catch (const std::exception& e) {
       error = e.what();
     }
-    const std::string agreed = checkpoint_detail::combined_error(
+    std::string agreed = checkpoint_detail::combined_error(
         checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_param_setup"));
+    if (replica_comm_) {
+      agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
+          *replica_comm_, agreed, device_, "replicas/nvme_param_setup"));
+    }
     TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
   }
   build_group_shards();

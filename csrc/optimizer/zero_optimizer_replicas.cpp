@@ -72,6 +72,9 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
     save_checkpoint_shards(path, options);
     return;
   }
+  // An asynchronous save's failure would surface on the first replica only.
+  TORCH_CHECK_VALUE(!options.async_save(),
+                    "async_save with hybrid sharding is not supported yet; save synchronously");
   // Replicas hold the same shards: the first one writes them, and the others
   // learn its outcome, so every rank returns or raises alike.
   std::string error;

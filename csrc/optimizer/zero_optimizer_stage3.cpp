@@ -182,6 +182,9 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
   const std::vector<BucketId> buckets = buckets_of(params);
   for (const auto& [g, b] : buckets) {
     const Bucket& bucket = layout_->group(g).buckets()[b];
+    // Hybrid sharding: the first replica's initial values, whatever the
+    // other replicas' random generators produced.
+    broadcast_across_replicas(gatherer_->full(g, b), "initialized/" + bucket_tag(g, b));
     at::Tensor mine =
         gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
     if (param_swapper_) {

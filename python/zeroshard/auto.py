@@ -40,13 +40,16 @@ def resolve_auto(
     process_group: dist.ProcessGroup,
     memory_limit: float | str | None = None,
     sequence_length: int | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> str:
     """Resolves the config's ``"auto"`` settings in place; returns the decision.
 
     Args:
         parsed: the C++ ``DeepSpeedConfig`` (``_C.parse_deepspeed_config``).
         model: its parameters and largest stage-3 unit are counted.
-        process_group: the data-parallel group the ranks agree over.
+        process_group: the data-parallel (shard) group the ranks agree over.
+        replicate_group: with hybrid sharding, the replicas agree too (every
+            rank must choose the same configuration).
         memory_limit: at most this much memory per rank is planned for (on the
             training device; on a CPU device, RAM): e.g. ``"8GB"`` to leave
             room for activations. Default: what is free.
@@ -58,6 +61,11 @@ def resolve_auto(
     Raises:
         ValueError: on every rank, when nothing fits, naming what is short.
     """
+    if any(hasattr(p, "placements") for p in model.parameters()):
+        raise ValueError(
+            '"auto" does not support tensor-parallel (DTensor) models yet: it would count '
+            "global sizes on every rank; set zero_optimization.stage and the offload devices"
+        )
     num_params, largest_unit = count_model(model)
     world_size = dist.get_world_size(process_group)
     params = list(model.parameters())
@@ -89,6 +97,8 @@ def resolve_auto(
         device="cuda" if "nccl" in backend else "cpu",
     )
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
+    if replicate_group is not None:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=replicate_group)
     device, host, disk, ranks = (float(x) for x in agreed.cpu())
     precision = "mixed16" if parsed.bf16 or parsed.fp16 else "fp32"
     micro_batch = int(parsed.train_micro_batch_size_per_gpu)

@@ -357,9 +357,24 @@ def initialize(
                 "into shard groups; the mesh given is hybrid already. Use one of the two"
             )
         groups = hybrid_groups(parsed.shard_group_size, groups.shard)
+        if dist.get_rank() == 0:
+            size = parsed.shard_group_size
+            print(
+                f"[zeroshard] zero_hpz_partition_size={size} is read as hybrid sharding: "
+                f"the whole model state is sharded over groups of {size} ranks and replicated "
+                f"across {groups.world_size // size} groups (DeepSpeed's hpZ shards the "
+                "optimizer state over every rank), so each rank holds "
+                f"{groups.world_size // size}x DeepSpeed's optimizer state",
+                flush=True,
+            )
+    elif groups.replicate is not None and parsed.has_auto_settings():
+        raise ValueError(
+            '"auto" with a hybrid (replicate, shard) mesh is not supported yet: use '
+            "zero_optimization.zero_hpz_partition_size for the shard groups instead"
+        )
     process_group = groups.shard
     if parsed.has_auto_settings():
-        resolve_auto(parsed, model, process_group, memory_limit, sequence_length)
+        resolve_auto(parsed, model, process_group, memory_limit, sequence_length, groups.replicate)
     parsed.check_supported()
     arguments = parsed.optimizer_arguments()
     zero = dict(arguments["zero_options"])

@@ -89,6 +89,15 @@ def hybrid_groups(
         )
     if shard_group_size == world:
         return DataParallelGroups(group, None)
+    if dist.get_world_size() != world:
+        # new_subgroups_by_enumeration is collective over every rank of the
+        # job; data-parallel groups of a TP/PP mesh would each enumerate
+        # other ranks under the same group names and meet the wrong peers.
+        raise ValueError(
+            "zero_hpz_partition_size (hybrid_groups) splits the whole job; this data-parallel "
+            f"group has {world} of {dist.get_world_size()} ranks. Pass a 2-D (replicate, shard) "
+            "device mesh instead, e.g. mesh['dp_replicate', 'dp_shard']"
+        )
     shards = [ranks[i : i + shard_group_size] for i in range(0, world, shard_group_size)]
     replicas = [ranks[j::shard_group_size] for j in range(shard_group_size)]
     shard, _ = dist.new_subgroups_by_enumeration(shards)
@@ -127,4 +136,9 @@ def data_parallel_groups(
         return _mesh_groups(device_mesh)
     if mpu is not None:
         process_group = mpu.get_data_parallel_group()
+    if replicate_group is not None and process_group is None:
+        raise ValueError(
+            "replicate_group= needs process_group= (this rank's shard group); with the "
+            "default group as the shard group every rank would be a replica of itself"
+        )
     return DataParallelGroups(process_group or _default_group(), replicate_group)

@@ -277,6 +277,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "stage 3 needs module=<the model>: its parameters are gathered by hooks on "
                 "the model's submodules"
             )
+        if stage == 3 and expert_parallel_group is not None:
+            raise ValueError(
+                "expert_parallel_group= at stage 3 is not supported yet; use stage 1 or 2 "
+                "for the expert optimizer (or expert parallel size 1, where stage 3 "
+                "gathers a MoE block's experts as one unit)"
+            )
         if stage != 3 and (unit_classes or param_init_fn is not None):
             raise ValueError(
                 f"unit_classes= and param_init_fn= are stage 3 options; stage is {stage}"
@@ -640,6 +646,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def comm_stats(self) -> dict[str, int]:
         """Bytes handed to collectives since construction or the last reset."""
         return dict(self._impl.comm_stats())
+
+    def replica_comm_stats(self) -> dict[str, int]:
+        """Hybrid sharding: bytes handed to collectives across replicas (zeros without)."""
+        return dict(self._impl.replica_comm_stats())
 
     def reset_comm_stats(self) -> None:
         """Zeroes the collective byte counters."""

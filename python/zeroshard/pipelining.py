@@ -83,6 +83,12 @@ class PipelineStage(_TorchPipelineStage):
         )
         self._zero_optimizer = optimizer
 
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """torch's division of ``.grad``, and of DTensor parameters' local gradients."""
+        super().scale_grads(grad_scale_factor)
+        if grad_scale_factor != 1:
+            self._zero_optimizer._tensor_parallel.scale_local_gradients(grad_scale_factor)
+
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
     ) -> Any:

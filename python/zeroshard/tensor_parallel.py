@@ -55,7 +55,8 @@ class TensorParallelParameters:
                 local.requires_grad_(param.requires_grad)
                 self._local[id(param)] = local
                 self._entries.append((g, i, param))
-                if all(param.device_mesh is not m for m in meshes):
+                # Slicing a mesh (mesh["tp"]) makes a new object each time.
+                if all(param.device_mesh != m for m in meshes):
                     meshes.append(param.device_mesh)
         if len(meshes) > 1 or (meshes and meshes[0].ndim != 1):
             shapes = [tuple(m.mesh_dim_names or m.shape) for m in meshes]
@@ -107,7 +108,14 @@ class TensorParallelParameters:
                 optimizer = owner()
                 if optimizer is None or p.grad is None:
                     return
-                piece = p.grad._local_tensor
+                grad = p.grad
+                if grad.placements != p.placements:
+                    # e.g. a Partial gradient of a replicated norm weight under
+                    # sequence parallelism: this rank holds a partial sum.
+                    grad = grad.redistribute(placements=p.placements)
+                piece = grad._local_tensor
+                if hasattr(piece, "wait"):  # an AsyncCollectiveTensor
+                    piece = piece.wait()
                 if stage == 1:
                     local.grad = piece
                 else:
@@ -118,6 +126,13 @@ class TensorParallelParameters:
 
             handles.append(param.register_post_accumulate_grad_hook(hook))
         return handles
+
+    def scale_local_gradients(self, factor: float) -> None:
+        """Divides the local gradients the hooks moved off the DTensors (see pipelining)."""
+        for _, _, param in self._entries:
+            local = self._local[id(param)]
+            if param.grad is None and local.grad is not None:
+                local.grad.div_(factor)
 
     def full_tensors(self, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Collective over the tensor-parallel group: full tensors from local pieces.

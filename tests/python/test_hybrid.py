@@ -290,3 +290,48 @@ def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path) -> None
     # One replica wrote the shards: one rank file per shard-group rank.
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("rank"))
     assert len(files) == SHARD, files
+
+
+# ---- Groups that do not make replicas ------------------------------------------------
+
+
+def test_replicate_group_without_its_shard_group_is_refused() -> None:
+    with pytest.raises(ValueError, match="replicate_group= needs process_group="):
+        zeroshard.groups.data_parallel_groups(replicate_group=object())
+
+
+def _crossed(rank: int, world_size: int) -> str:
+    # Shard groups {0, 1} and {2, 3}, but "replicas" {0, 3} and {1, 2}: each
+    # pairs shard ranks 0 and 1, which hold different elements.
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    shard = shards[rank // 2]
+    replicate = crossed[0] if rank in (0, 3) else crossed[1]
+    try:
+        _make(make_model(seed=0), 2, {"process_group": shard, "replicate_group": replicate})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_replicate_group_of_other_shard_positions_is_an_error_on_every_rank() -> None:
+    for rank, message in enumerate(run_ranks(WORLD, _crossed)):
+        print(f"rank {rank}: {message}")
+        assert "replicate_group must hold one rank per shard group" in message or (
+            "another rank failed to check its replicate group" in message
+        ), message
+
+
+def _async(rank: int, world_size: int, path: str) -> str:
+    optimizer = _make(make_model(seed=0), 2, _groups("groups"))
+    try:
+        optimizer.save_checkpoint(path, async_save=True)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_async_save_with_hybrid_sharding_is_refused_on_every_rank(tmp_path) -> None:
+    for message in run_ranks(WORLD, _async, str(tmp_path / "ckpt")):
+        assert "async_save with hybrid sharding is not supported yet" in message, message
+    assert not (tmp_path / "ckpt").exists()

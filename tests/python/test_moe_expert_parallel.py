@@ -181,3 +181,23 @@ def test_moe_with_expert_parallelism_matches_torch_optim(stage: int, ep: int) ->
         print(f"stage {stage} ep {ep} rank {rank}: experts {r['local']}, max abs diff {worst:.3e}")
     # The routing left some local experts without a token on some steps.
     assert idle > 0
+
+
+def _stage3_experts(rank: int, world_size: int) -> str:
+    model = Net([0, 1])
+    try:
+        zeroshard.ZeroOptimizer(
+            model.experts.parameters(),
+            stage=3,
+            module=model.experts,
+            expert_parallel_group=dist.group.WORLD,
+            gradient_divide_factor=world_size,
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_stage3_with_expert_parallelism_is_refused_clearly() -> None:
+    for message in run_ranks(2, _stage3_experts):
+        assert "expert_parallel_group= at stage 3 is not supported yet" in message, message

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace zeroshard {
 
@@ -27,13 +28,15 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_process_group(
 // ZeroOptimizer's hybrid constructor): shard groups of `shard_size`
 // consecutive ranks (rank / shard_size picks the group, as ranks of one node
 // are numbered together by torchrun), and replicate groups of the ranks with
-// the same rank % shard_size. shard_size must divide world_size.
+// the same rank % shard_size. shard_size must divide world_size. `name`
+// keys the groups' rendezvous in `store`: give each call on one store its own.
 struct HybridGroups {
   c10::intrusive_ptr<c10d::ProcessGroup> shard;
   c10::intrusive_ptr<c10d::ProcessGroup> replicate;
 };
 HybridGroups make_hybrid_gloo_groups(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
                                      int64_t world_size, int64_t shard_size,
-                                     std::chrono::milliseconds timeout = std::chrono::minutes(5));
+                                     std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                                     const std::string& name = "zeroshard/hybrid");
 
 }  // namespace zeroshard
