@@ -20,6 +20,7 @@ namespace zeroshard {
 void bind_module_hooks(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_host_kernel(py::module_& m);
+void bind_estimator(py::module_& m);  // module_estimator.cpp
 }  // namespace zeroshard
 
 // [Note: GIL and collectives]
@@ -244,42 +245,6 @@ py::dict comm_stats_dict(const CommStats& stats) {
   return out;
 }
 
-EstimateOptions estimate_options(double num_params, double largest_unit_params, int64_t world_size,
-                                 int64_t ranks_per_node, const std::string& precision,
-                                 const std::string& optimizer, const std::string& offload_optimizer,
-                                 const std::string& offload_param, double offload_ratio = 1.0,
-                                 double sub_group_size = 1e9, int64_t nvme_buffer_count = 4,
-                                 double param_max_in_cpu = 1e9, int64_t param_buffer_count = 5) {
-  return EstimateOptions()
-      .nvme_buffer_count(nvme_buffer_count)
-      .param_max_in_cpu(param_max_in_cpu)
-      .param_buffer_count(param_buffer_count)
-      .offload_ratio(offload_ratio)
-      .sub_group_size(sub_group_size)
-      .num_params(num_params)
-      .largest_unit_params(largest_unit_params)
-      .world_size(world_size)
-      .ranks_per_node(ranks_per_node)
-      .precision(parse_precision(precision))
-      .optimizer(parse_state_kind(optimizer))
-      .offload_optimizer(parse_offload_device(offload_optimizer))
-      .offload_param(parse_offload_device(offload_param));
-}
-
-py::dict estimate_dict(const MemoryEstimate& e) {
-  py::dict out;
-  out["stage"] = e.stage;
-  out["param_bytes"] = e.param_bytes;
-  out["grad_bytes"] = e.grad_bytes;
-  out["optimizer_bytes"] = e.optimizer_bytes;
-  out["working_bytes"] = e.working_bytes;
-  out["activation_bytes"] = e.activation_bytes;
-  out["device_bytes"] = e.device_bytes;
-  out["cpu_bytes_per_node"] = e.cpu_bytes_per_node;
-  out["nvme_bytes_per_node"] = e.nvme_bytes_per_node;
-  return out;
-}
-
 }  // namespace
 }  // namespace zeroshard
 
@@ -308,86 +273,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "io_uring_available", [] { return zeroshard::io_uring_available(); },
       "Whether the NVMe tier's I/O can use io_uring here (built in and permitted).");
-  m.def(
-      "estimate_memory",
-      [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
-         int64_t ranks_per_node, const std::string& precision, const std::string& optimizer,
-         const std::string& offload_optimizer, const std::string& offload_param,
-         double offload_ratio, double sub_group_size, int64_t nvme_buffer_count,
-         double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
-         int64_t pipeline_parallel_size, double activation_bytes) {
-        return zeroshard::estimate_dict(zeroshard::estimate_memory(
-            stage, zeroshard::estimate_options(
-                       num_params, largest_unit_params, world_size, ranks_per_node, precision,
-                       optimizer, offload_optimizer, offload_param, offload_ratio, sub_group_size,
-                       nvme_buffer_count, param_max_in_cpu, param_buffer_count)
-                       .tensor_parallel_size(tensor_parallel_size)
-                       .pipeline_parallel_size(pipeline_parallel_size)
-                       .activation_bytes(activation_bytes)));
-      },
-      py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
-      py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
-      py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
-      py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4,
-      py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5,
-      py::arg("tensor_parallel_size") = 1, py::arg("pipeline_parallel_size") = 1,
-      py::arg("activation_bytes") = 0.0);
-  m.def(
-      "estimate_activation_bytes",
-      [](int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t sequence_length,
-         int64_t micro_batch, int64_t bytes_per_value, bool checkpointing,
-         int64_t tensor_parallel_size) {
-        return zeroshard::estimate_activation_bytes(
-            zeroshard::TransformerShape()
-                .layers(layers)
-                .hidden(hidden)
-                .heads(heads)
-                .vocab(vocab)
-                .sequence_length(sequence_length)
-                .micro_batch(micro_batch)
-                .bytes_per_value(bytes_per_value)
-                .checkpointing(checkpointing)
-                .tensor_parallel_size(tensor_parallel_size));
-      },
-      py::arg("layers"), py::arg("hidden"), py::arg("heads"), py::arg("vocab"),
-      py::arg("sequence_length"), py::arg("micro_batch"), py::arg("bytes_per_value") = 2,
-      py::arg("checkpointing") = false, py::arg("tensor_parallel_size") = 1);
-  m.def(
-      "deepspeed_estimate",
-      [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
-         int64_t ranks_per_node, const std::string& offload_optimizer,
-         const std::string& offload_param) {
-        auto e = zeroshard::deepspeed_estimate(
-            stage,
-            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
-                                        "mixed16", "adam", offload_optimizer, offload_param));
-        py::dict out;
-        out["device_bytes"] = e.device_bytes;
-        out["cpu_bytes"] = e.cpu_bytes;
-        return out;
-      },
-      py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
-      py::arg("world_size"), py::arg("ranks_per_node"), py::arg("offload_optimizer"),
-      py::arg("offload_param"));
-  m.def(
-      "recommend_configuration",
-      [](double num_params, double largest_unit_params, int64_t world_size, int64_t ranks_per_node,
-         const std::string& precision, const std::string& optimizer, double device_bytes) {
-        auto r = zeroshard::recommend_configuration(
-            zeroshard::estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
-                                        precision, optimizer, "none", "none"),
-            device_bytes);
-        py::dict out;
-        out["fits"] = r.fits;
-        out["estimate"] = zeroshard::estimate_dict(r.estimate);
-        out["offload_optimizer"] = zeroshard::offload_device_name(r.offload_optimizer);
-        out["offload_param"] = zeroshard::offload_device_name(r.offload_param);
-        out["reason"] = r.reason;
-        return out;
-      },
-      py::arg("num_params"), py::arg("largest_unit_params"), py::arg("world_size"),
-      py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
-      py::arg("device_bytes"));
+  zeroshard::bind_estimator(m);
 
   m.def(
       "inner_update",

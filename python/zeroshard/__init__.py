@@ -5,9 +5,10 @@ idiomatic layer over it.
 """
 
 from zeroshard.checkpoint import consolidate, consolidated_state_dict
+from zeroshard.clipping import clip_grad_norm_
 from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, recommend
-from zeroshard.optimizer import ZeroOptimizer, clip_grad_norm_
+from zeroshard.optimizer import ZeroOptimizer
 from zeroshard.teardown import release_pinned_default_groups
 
 release_pinned_default_groups()

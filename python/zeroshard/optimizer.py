@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zeroshard import _C
 from zeroshard.groups import data_parallel_groups
+from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
@@ -90,26 +91,7 @@ def _failure_prefix(group: dist.ProcessGroup) -> str:
     return f"zeroshard/{name}/optimizer{count}"
 
 
-def clip_grad_norm_(optimizers: Sequence[ZeroOptimizer], max_norm: float) -> torch.Tensor:
-    """Collective: clips the gradients of several optimizers of one model by their joint norm.
-
-    As ``torch.nn.utils.clip_grad_norm_`` over all their parameters: e.g. the
-    dense and the expert parameters of a mixture-of-experts model, each
-    optimizer over its own data-parallel group. Returns the total norm. Every
-    rank passes the same optimizers in the same order; build them with
-    ``max_norm=None``.
-    """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    norms = [optimizer._impl.gradient_norm() for optimizer in optimizers]
-    total = torch.stack(norms).norm()
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for optimizer in optimizers:
-        optimizer._impl.scale_gradients(coefficient)
-    return total
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
@@ -586,83 +568,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def last_step_skipped(self) -> bool:
         """Whether the last ``step()`` found non-finite gradients and changed nothing."""
         return bool(self._impl.last_step_skipped())
-
-    # Measuring and introspection -------------------------------------------------
-
-    def parameter_bytes(self) -> int:
-        """Bytes of parameter storage held now: shards plus gathered buffers."""
-        return int(self._impl.parameter_bytes())
-
-    def gathered_parameter_bytes(self) -> int:
-        """Bytes of full-size parameter buffers held now (stage 3: gathered units)."""
-        return int(self._impl.gathered_parameter_bytes())
-
-    def peak_gathered_parameter_bytes(self) -> int:
-        """Largest ``gathered_parameter_bytes()`` since the last reset."""
-        return int(self._impl.peak_gathered_parameter_bytes())
-
-    def reset_peak_gathered_parameter_bytes(self) -> None:
-        """Restarts peak tracking of the gathered parameter buffers."""
-        self._impl.reset_peak_gathered_parameter_bytes()
-
-    def device_model_state_bytes(self) -> int:
-        """Bytes of parameters, gradients and optimizer state on the training device."""
-        return int(self._impl.device_model_state_bytes())
-
-    def host_model_state_bytes(self) -> int:
-        """Bytes of model state offloaded to host memory (state, staging, parameter shards)."""
-        return int(self._impl.host_model_state_bytes())
-
-    def nvme_stats(self) -> dict[str, Any] | None:
-        """The NVMe swap spaces since construction; None without NVMe offload.
-
-        With ``offload_optimizer`` on NVMe: ``backend`` (``"io_uring"`` or
-        ``"thread pool"``), ``directory``, ``disk_bytes`` reserved,
-        ``buffer_bytes`` of host buffers, ``bytes_read``, ``bytes_written`` and
-        ``io_wait_seconds`` (time the step waited for I/O). With
-        ``offload_param`` on NVMe, under ``"parameters"``: the same I/O keys,
-        ``host_shard_bytes`` (shards kept in host memory: ``max_in_cpu`` and
-        persistent ones), ``ahead_bytes`` / ``peak_ahead_bytes`` (read-ahead
-        buffers now / at most), ``reads_ahead`` (reads the read-ahead served)
-        and ``reads_on_demand`` (reads that waited for the disk)."""
-        return self._impl.nvme_stats()
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (fp32 master + inner state)."""
-        return int(self._impl.optimizer_state_bytes())
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradients held now: shard, live staging buffers, any ``.grad``."""
-        return int(self._impl.gradient_bytes())
-
-    def peak_staging_bytes(self) -> int:
-        """Largest gradient staging footprint since the last reset."""
-        return int(self._impl.peak_staging_bytes())
-
-    def reset_peak_staging_bytes(self) -> None:
-        """Restarts peak tracking of the gradient staging buffers."""
-        self._impl.reset_peak_staging_bytes()
-
-    def comm_stats(self) -> dict[str, int]:
-        """Bytes handed to collectives since construction or the last reset."""
-        return dict(self._impl.comm_stats())
-
-    def replica_comm_stats(self) -> dict[str, int]:
-        """Hybrid sharding: bytes handed to collectives across replicas (zeros without)."""
-        return dict(self._impl.replica_comm_stats())
-
-    def reset_comm_stats(self) -> None:
-        """Zeroes the collective byte counters."""
-        self._impl.reset_comm_stats()
-
-    def set_event_log_enabled(self, enabled: bool) -> None:
-        """Records every collective launch and wait while enabled."""
-        self._impl.set_event_log_enabled(enabled)
-
-    def retired_work_count(self) -> int:
-        """Frees finished collectives the backend let go of; returns how many it still holds."""
-        return int(self._impl.retired_work_count())
-
-    def event_log(self) -> list[tuple[str, str, int, str]]:
-        """(event, collective, bytes, tag) in issue order."""
-        return list(self._impl.event_log())

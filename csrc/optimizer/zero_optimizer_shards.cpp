@@ -1,0 +1,174 @@
+// ZeroOptimizer: each rank's shards built at construction: stages 1-2 from
+// one flat buffer per group (the parameters become its views), stage 3 bucket
+// by bucket (or into the parameter swap file), the fp32 master and the
+// optimizer state shards; the initial values are broadcast from
+// broadcast_from_rank (and, with hybrid sharding, from the first replica).
+#include "zeroshard/zero_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+namespace zeroshard {
+
+void ZeroOptimizer::build_group_shards() {
+  const int64_t rank = comm_->rank();
+  at::NoGradGuard no_grad;
+  replacements_.assign(param_groups_.size(), {});
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const GroupLayout& layout = layout_->group(g);
+    auto& params = param_groups_[g].params();
+    GroupShards& shard = shards_[g];
+    const auto param_options = shard.param_options;
+    shard.steps.assign(params.size(), 0);
+    shard.segments = layout.segments_of_rank(rank);
+    if (options_.stage() == 3) {
+      build_stage3_shards(g);
+      ensure_state_tensors(g);
+      continue;
+    }
+    shard.flat_param = at::zeros({layout.flat_numel()}, param_options);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
+      shard.flat_param.narrow(0, slot.flat_offset, slot.numel)
+          .copy_(params[i].detach().reshape({-1}));
+    }
+    comm_->broadcast(shard.flat_param, options_.broadcast_from_rank(),
+                     "group" + std::to_string(g) + "/initial_params");
+    broadcast_across_replicas(shard.flat_param, "group" + std::to_string(g) + "/initial_params");
+    // The model's parameters become views into the flat buffer, so the
+    // all-gather after each step writes them with no extra copy.
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
+      params[i].set_data(
+          shard.flat_param.narrow(0, slot.flat_offset, slot.numel).view(params[i].sizes()));
+    }
+    if (offloaded_) {
+      offloaded_->initialize_group(g, master_shard(g));
+    } else if (params[0].scalar_type() != at::kFloat) {
+      shard.master = at::empty({layout.shard_numel()}, fp32_options());
+      for (const auto& bucket : layout.buckets()) {
+        shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
+            .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, rank),
+                                           bucket.shard_numel));
+      }
+    }
+    if (options_.stage() >= 2) {
+      // Stage 2 accumulates into the shard across backward passes; stage 1
+      // allocates it only while a step runs.
+      shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
+    }
+    ensure_state_tensors(g);
+  }
+}
+
+// Stage 3: each bucket is assembled in its full buffer once (from the
+// parameters, or zeros for meta parameters), this rank keeps its slice in
+// param_shard, the parameters become views of the buffer, and the buffer's
+// storage is freed unless the bucket is persistent.
+void ZeroOptimizer::build_stage3_shards(size_t g) {
+  const int64_t rank = comm_->rank();
+  const GroupLayout& layout = layout_->group(g);
+  auto& params = param_groups_[g].params();
+  GroupShards& shard = shards_[g];
+  const bool meta = params[0].is_meta();
+  // offload_param: the shard lives on the host ('cpu': gathers copy it over
+  // first) or in the parameter swap file ('nvme').
+  at::Tensor initial_master;  // with the swap file: the fp32 master's first values
+  if (param_swapper_) {
+    initial_master = at::empty({layout.shard_numel()}, fp32_options().device(c10::kCPU));
+  } else {
+    shard.param_shard =
+        at::zeros({layout.shard_numel()},
+                  placement_->options(placement_->parameter_tier(),
+                                      c10::typeMetaToScalarType(shard.param_options.dtype()),
+                                      /*for_parameters=*/true));
+  }
+  shard.grad_shard = at::zeros({layout.shard_numel()}, shard.grad_options);
+  replacements_[g].assign(params.size(), at::Tensor());
+  for (size_t b = 0; b < layout.buckets().size(); ++b) {
+    const Bucket& bucket = layout.buckets()[b];
+    gatherer_->ensure_allocated(g, b);
+    at::Tensor& full = gatherer_->full(g, b);
+    full.zero_();
+    if (!meta) {
+      for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+        const ParamSlot& slot = layout.slots()[s];
+        full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel)
+            .copy_(params[slot.param_index].detach().reshape({-1}));
+      }
+      comm_->broadcast(full, options_.broadcast_from_rank(),
+                       "group" + std::to_string(g) + "/initial_params");
+      broadcast_across_replicas(full, "group" + std::to_string(g) + "/initial_params");
+      gatherer_->mark_initialized(g, b);
+    }
+    const at::Tensor mine = full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel);
+    if (param_swapper_) {
+      param_swapper_->write(g, bucket.shard_offset, mine);
+      initial_master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    } else {
+      shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
+    for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
+      const ParamSlot& slot = layout.slots()[s];
+      at::Tensor& param = params[slot.param_index];
+      at::Tensor view =
+          full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel).view(param.sizes());
+      if (meta) {
+        // A tensor of its own whose data is the view: views share their
+        // base's version counter, and the gathers write the base in place,
+        // which autograd would take for an edit of a saved parameter.
+        at::Tensor replacement = at::empty({0}, shard.param_options);
+        replacement.set_data(view);
+        replacements_[g][slot.param_index] = replacement;
+      } else {
+        param.set_data(view);
+      }
+    }
+    gatherer_->release(g, b);  // no-op for persistent buckets
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) {  // in no bucket
+      at::Tensor empty = at::empty(params[i].sizes(), shard.param_options);
+      if (meta) {
+        replacements_[g][i] = empty;
+      } else {
+        params[i].set_data(empty);
+      }
+    }
+  }
+  if (param_swapper_) {
+    offloaded_->initialize_group(g, initial_master);
+  } else if (offloaded_) {
+    offloaded_->initialize_group(g, shard.param_shard.to(at::kFloat));
+  } else if (shard.param_options.dtype() != at::kFloat) {
+    shard.master = shard.param_shard.to(at::kFloat);
+  }
+}
+
+void ZeroOptimizer::ensure_state_tensors(size_t g) {
+  if (offloaded_) {
+    offloaded_->ensure_moments(g, optimizer_state_count(inner_kind_, param_groups_[g].options()));
+    return;
+  }
+  GroupShards& shard = shards_[g];
+  const auto options = fp32_options();
+  const int64_t n = layout_->group(g).shard_numel();
+  const auto& group_options = param_groups_[g].options();
+  if (inner_kind_ == InnerOptimizerKind::kSGD) {
+    if (optimizer_state_count(inner_kind_, group_options) > 0 && !shard.momentum_buffer.defined()) {
+      shard.momentum_buffer = at::zeros({n}, options);
+    }
+    return;
+  }
+  if (!shard.exp_avg.defined()) {
+    shard.exp_avg = at::zeros({n}, options);
+    shard.exp_avg_sq = at::zeros({n}, options);
+  }
+  if (optimizer_state_count(inner_kind_, group_options) == 3 && !shard.max_exp_avg_sq.defined()) {
+    shard.max_exp_avg_sq = at::zeros({n}, options);
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,91 @@
+"""What a ZeroOptimizer holds and moves: bytes of parameters, gradients and
+state, collective traffic, the NVMe swap spaces. Read-only views of the C++
+core's counters, mixed into :class:`zeroshard.ZeroOptimizer`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OptimizerMeasurements:
+    """Counters of the C++ optimizer ``self._impl``."""
+
+    _impl: Any
+
+    def parameter_bytes(self) -> int:
+        """Bytes of parameter storage held now: shards plus gathered buffers."""
+        return int(self._impl.parameter_bytes())
+
+    def gathered_parameter_bytes(self) -> int:
+        """Bytes of full-size parameter buffers held now (stage 3: gathered units)."""
+        return int(self._impl.gathered_parameter_bytes())
+
+    def peak_gathered_parameter_bytes(self) -> int:
+        """Largest ``gathered_parameter_bytes()`` since the last reset."""
+        return int(self._impl.peak_gathered_parameter_bytes())
+
+    def reset_peak_gathered_parameter_bytes(self) -> None:
+        """Restarts peak tracking of the gathered parameter buffers."""
+        self._impl.reset_peak_gathered_parameter_bytes()
+
+    def device_model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state on the training device."""
+        return int(self._impl.device_model_state_bytes())
+
+    def host_model_state_bytes(self) -> int:
+        """Bytes of model state offloaded to host memory (state, staging, parameter shards)."""
+        return int(self._impl.host_model_state_bytes())
+
+    def nvme_stats(self) -> dict[str, Any] | None:
+        """The NVMe swap spaces since construction; None without NVMe offload.
+
+        With ``offload_optimizer`` on NVMe: ``backend`` (``"io_uring"`` or
+        ``"thread pool"``), ``directory``, ``disk_bytes`` reserved,
+        ``buffer_bytes`` of host buffers, ``bytes_read``, ``bytes_written`` and
+        ``io_wait_seconds`` (time the step waited for I/O). With
+        ``offload_param`` on NVMe, under ``"parameters"``: the same I/O keys,
+        ``host_shard_bytes`` (shards kept in host memory: ``max_in_cpu`` and
+        persistent ones), ``ahead_bytes`` / ``peak_ahead_bytes`` (read-ahead
+        buffers now / at most), ``reads_ahead`` (reads the read-ahead served)
+        and ``reads_on_demand`` (reads that waited for the disk)."""
+        return self._impl.nvme_stats()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (fp32 master + inner state)."""
+        return int(self._impl.optimizer_state_bytes())
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients held now: shard, live staging buffers, any ``.grad``."""
+        return int(self._impl.gradient_bytes())
+
+    def peak_staging_bytes(self) -> int:
+        """Largest gradient staging footprint since the last reset."""
+        return int(self._impl.peak_staging_bytes())
+
+    def reset_peak_staging_bytes(self) -> None:
+        """Restarts peak tracking of the gradient staging buffers."""
+        self._impl.reset_peak_staging_bytes()
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes handed to collectives since construction or the last reset."""
+        return dict(self._impl.comm_stats())
+
+    def replica_comm_stats(self) -> dict[str, int]:
+        """Hybrid sharding: bytes handed to collectives across replicas (zeros without)."""
+        return dict(self._impl.replica_comm_stats())
+
+    def reset_comm_stats(self) -> None:
+        """Zeroes the collective byte counters."""
+        self._impl.reset_comm_stats()
+
+    def set_event_log_enabled(self, enabled: bool) -> None:
+        """Records every collective launch and wait while enabled."""
+        self._impl.set_event_log_enabled(enabled)
+
+    def retired_work_count(self) -> int:
+        """Frees finished collectives the backend let go of; returns how many it still holds."""
+        return int(self._impl.retired_work_count())
+
+    def event_log(self) -> list[tuple[str, str, int, str]]:
+        """(event, collective, bytes, tag) in issue order."""
+        return list(self._impl.event_log())
