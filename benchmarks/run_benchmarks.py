@@ -118,6 +118,12 @@ class Variant:
             # all-to-all plus local sum, to show what the all-to-all buys.
             if name.endswith("_rsallreduce"):
                 stage3["gloo_reduce_scatter_all_to_all"] = False
+            # "fused": ATen's fused Adam kernel (torch.optim's fused=True).
+            if name.endswith("_fused"):
+                stage3["fused"] = True
+            # "overlap": stage 1 reduce-scatters during backward, as stage 2 does.
+            if name.endswith("_overlap"):
+                stage3["stage1_reduce_in_backward"] = True
             if name.endswith("_offload"):
                 stage3["offload_optimizer"] = "cpu"
                 stage3["offload_param"] = "cpu"

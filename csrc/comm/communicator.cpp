@@ -276,8 +276,8 @@ PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tenso
       process_group_->getBackend(input.device().type())->getBackendName() == "gloo") {
     // Chunk r of the input goes to rank r; received row j came from rank j.
     // Summing the rows in rank order is the same on every rank.
-    at::Tensor received = at::empty({world_size_, output.numel()}, input.options());
-    at::Tensor flat = received.view({-1});
+    at::Tensor flat = receive_buffers_.empty(input.numel(), input.options());
+    at::Tensor received = flat.view({world_size_, output.numel()});
     std::vector<int64_t> equal_splits;
     c10d::AllToAllOptions options;
     PendingCollective pending =

@@ -93,7 +93,7 @@ void GradientBuckets::ensure_staging(size_t g, size_t b) {
     return;
   }
   const Bucket& bucket = layout_.group(g).buckets()[b];
-  state.staging = empty_buffer(bucket.numel, grad_options_[g]);
+  state.staging = buffer_pool_.empty(bucket.numel, grad_options_[g]);
   live_staging_bytes_ += bytes_of(state.staging);
   peak_staging_bytes_ = std::max(peak_staging_bytes_, live_staging_bytes_);
 }
@@ -222,7 +222,7 @@ void GradientBuckets::launch(size_t g, size_t b) {
   state.launched = true;
   InFlight entry;
   entry.staging = std::move(state.staging);
-  entry.output = empty_buffer(bucket.shard_numel, grad_options_[g]);
+  entry.output = buffer_pool_.empty(bucket.shard_numel, grad_options_[g]);
   entry.group = g;
   entry.bucket = b;
   comm_.note("bucket_ready", bucket_tag(g, b));

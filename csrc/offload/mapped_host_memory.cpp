@@ -2,13 +2,20 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
 #include <unistd.h>
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 namespace zeroshard {
 namespace {
@@ -32,23 +39,32 @@ void unmap(void* context) {
   delete mapping;
 }
 
+size_t mapped_bytes(size_t nbytes) {
+  return (nbytes + page_size() - 1) / page_size() * page_size();
+}
+
+void* map_pages(size_t bytes) {
+  void* address =
+      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(address != MAP_FAILED, "cannot map ", bytes,
+              " bytes of host memory: ", std::strerror(errno),
+              " (host memory or the process's address-space limit is exhausted)");
+  if (bytes >= kHugePage) {
+    // Fewer page faults when the buffer is first written (advice only:
+    // where transparent huge pages are off this changes nothing).
+    ::madvise(address, bytes, MADV_HUGEPAGE);
+  }
+  return address;
+}
+
 class MappedHostAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) {
       return c10::DataPtr(nullptr, c10::Device(c10::kCPU));
     }
-    const size_t bytes = (nbytes + page_size() - 1) / page_size() * page_size();
-    void* address =
-        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(address != MAP_FAILED, "cannot map ", bytes,
-                " bytes of host memory: ", std::strerror(errno),
-                " (host memory or the process's address-space limit is exhausted)");
-    if (bytes >= kHugePage) {
-      // Fewer page faults when the buffer is first written (advice only:
-      // where transparent huge pages are off this changes nothing).
-      ::madvise(address, bytes, MADV_HUGEPAGE);
-    }
+    const size_t bytes = mapped_bytes(nbytes);
+    void* address = map_pages(bytes);
     return c10::DataPtr(address, new Mapping{address, bytes}, &unmap, c10::Device(c10::kCPU));
   }
 
@@ -93,5 +109,133 @@ at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options) {
   }
   return at::zeros({numel}, options);
 }
+
+// The pool's bookkeeping. Every buffer's deleter holds a reference, so it
+// outlives the pool object while any buffer is in use.
+struct HostBufferPool::State {
+  mutable std::mutex mutex;
+  std::multimap<size_t, void*> free;  // bytes -> mapping
+  size_t out_bytes = 0;               // in buffers now in use
+  size_t peak_out_bytes = 0;
+  size_t cached_bytes = 0;
+  bool closed = false;  // the pool is gone: freed buffers are unmapped
+
+  // A mapping of at least `bytes` (page multiple), *mapped_size long;
+  // *reused: it held data before.
+  void* acquire(size_t bytes, bool* reused, size_t* mapped_size) {
+    std::vector<std::pair<size_t, void*>> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      out_bytes += bytes;
+      peak_out_bytes = std::max(peak_out_bytes, out_bytes);
+      // The smallest held mapping that fits: buckets are cut at parameter
+      // boundaries, so their sizes differ a little from one to the next.
+      const auto found = free.lower_bound(bytes);
+      *reused = found != free.end();
+      if (*reused) {
+        const size_t held = found->first;
+        void* address = found->second;
+        free.erase(found);
+        cached_bytes -= held;
+        out_bytes += held - bytes;
+        peak_out_bytes = std::max(peak_out_bytes, out_bytes);
+        *mapped_size = held;
+        return address;
+      }
+      *mapped_size = bytes;
+      // Held mappings of other sizes go while the pool would exceed the peak.
+      while (cached_bytes + out_bytes > peak_out_bytes && !free.empty()) {
+        const auto largest = std::prev(free.end());
+        evicted.emplace_back(*largest);
+        cached_bytes -= largest->first;
+        free.erase(largest);
+      }
+    }
+    for (const auto& [size, address] : evicted) {
+      ::munmap(address, size);
+    }
+    try {
+      return map_pages(bytes);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex);
+      out_bytes -= bytes;
+      throw;
+    }
+  }
+
+  void give_back(void* address, size_t bytes) {
+    bool keep = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      out_bytes -= bytes;
+      keep = !closed && cached_bytes + out_bytes + bytes <= peak_out_bytes;
+      if (keep) {
+        free.emplace(bytes, address);
+        cached_bytes += bytes;
+      }
+    }
+    if (!keep) {
+      ::munmap(address, bytes);
+    }
+  }
+
+  // Unmaps every held mapping; with `close`, later frees unmap too.
+  void release(bool close) {
+    std::multimap<size_t, void*> held;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      held.swap(free);
+      cached_bytes = 0;
+      closed = closed || close;
+    }
+    for (const auto& [bytes, address] : held) {
+      ::munmap(address, bytes);
+    }
+  }
+};
+
+HostBufferPool::HostBufferPool() : state_(std::make_shared<State>()) {}
+
+HostBufferPool::~HostBufferPool() { state_->release(/*close=*/true); }
+
+at::Tensor HostBufferPool::take(int64_t numel, const at::TensorOptions& options, bool* reused) {
+  *reused = false;
+  if (!mapped(numel, options)) {
+    return at::Tensor();
+  }
+  const size_t bytes =
+      mapped_bytes(static_cast<size_t>(numel) * static_cast<size_t>(options.dtype().itemsize()));
+  size_t mapped_size = 0;
+  void* address = state_->acquire(bytes, reused, &mapped_size);
+  std::shared_ptr<State> state = state_;
+  return at::from_blob(
+      address, {numel},
+      [state = std::move(state), address, mapped_size](void*) {
+        state->give_back(address, mapped_size);
+      },
+      options);
+}
+
+at::Tensor HostBufferPool::empty(int64_t numel, const at::TensorOptions& options) {
+  bool reused = false;
+  at::Tensor tensor = take(numel, options, &reused);
+  return tensor.defined() ? tensor : at::empty({numel}, options);
+}
+
+at::Tensor HostBufferPool::zeros(int64_t numel, const at::TensorOptions& options) {
+  bool reused = false;
+  at::Tensor tensor = take(numel, options, &reused);
+  if (!tensor.defined()) {
+    return at::zeros({numel}, options);
+  }
+  return reused ? tensor.zero_() : tensor;  // a fresh mapping reads as zeros
+}
+
+int64_t HostBufferPool::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return static_cast<int64_t>(state_->cached_bytes);
+}
+
+void HostBufferPool::clear() { state_->release(/*close=*/false); }
 
 }  // namespace zeroshard

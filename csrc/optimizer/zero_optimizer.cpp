@@ -210,12 +210,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       failure = std::current_exception();
     }
     if (placement_->offload_tier() == StateTier::kNVMe) {
-      std::string agreed = checkpoint_detail::combined_error(
-          checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_setup"));
-      if (replica_comm_) {  // one node's bad nvme_path stops every replica
-        agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
-            *replica_comm_, agreed, device_, "replicas/nvme_setup"));
-      }
+      const std::string agreed = agreed_error(error, "nvme_setup");
       TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space: ", agreed);
     } else if (failure) {
       std::rethrow_exception(failure);
@@ -235,12 +230,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     } catch (const std::exception& e) {
       error = e.what();
     }
-    std::string agreed = checkpoint_detail::combined_error(
-        checkpoint_detail::all_gather_strings(*comm_, error, device_, "nvme_param_setup"));
-    if (replica_comm_) {
-      agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
-          *replica_comm_, agreed, device_, "replicas/nvme_param_setup"));
-    }
+    const std::string agreed = agreed_error(error, "nvme_param_setup");
     TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
   }
   build_group_shards();
@@ -417,7 +407,16 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     if (options_.max_norm() > 0) {
       clip_grad_norm(options_.max_norm());
     }
-    update_shards(has_grad);
+    try {
+      update_shards(has_grad);
+    } catch (...) {
+      // Gathers launched before the failure are retired; a later gather
+      // (a checkpoint load) must launch every bucket again.
+      parameter_gathers_.clear();
+      parameter_gather_inputs_.clear();
+      parameter_gathers_launched_.assign(param_groups_.size(), 0);
+      throw;
+    }
     gather_parameters();
   }
   comm_->set_step(comm_->step() + 1);
@@ -458,29 +457,44 @@ void ZeroOptimizer::gather_parameters() {
     gatherer_->after_step();
     return;
   }
-  std::vector<PendingCollective> pending;
-  std::vector<at::Tensor> inputs;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const GroupLayout& layout = layout_->group(g);
-    GroupShards& shard = shards_[g];
-    for (size_t b = 0; b < layout.buckets().size(); ++b) {
-      const Bucket& bucket = layout.buckets()[b];
-      // A copy even for fp32: the input must not alias the output. With
-      // offload the step already wrote this rank's slice of flat_param.
-      at::Tensor input =
-          offloaded_
-              ? shard.flat_param
-                    .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()), bucket.shard_numel)
-                    .clone()
-              : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
-                                           /*non_blocking=*/false, /*copy=*/true);
-      at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
-      pending.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
-      inputs.push_back(std::move(input));
-    }
+    launch_parameter_gathers(g, layout_->group(g).buckets().size());
   }
+  std::vector<PendingCollective> pending = std::move(parameter_gathers_);
+  parameter_gathers_.clear();
   for (auto& work : pending) {
     work.wait();
+  }
+  parameter_gather_inputs_.clear();
+  parameter_gathers_launched_.assign(param_groups_.size(), 0);
+}
+
+// [Note: gathers behind the update]
+// At stages 1-2 a bucket's all-gather can start as soon as this rank's slice
+// of it is updated: update_shards launches each bucket's gather when the
+// update moves past it, so the communication of bucket b overlaps the update
+// of b + 1 (the update walks the shard in bucket order). gather_parameters
+// launches what is left (every bucket, with offload) and waits for all.
+void ZeroOptimizer::launch_parameter_gathers(size_t g, size_t end) {
+  if (parameter_gathers_launched_.size() != param_groups_.size()) {
+    parameter_gathers_launched_.assign(param_groups_.size(), 0);
+  }
+  const GroupLayout& layout = layout_->group(g);
+  GroupShards& shard = shards_[g];
+  for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {
+    const Bucket& bucket = layout.buckets()[b];
+    // A copy even for fp32: the input must not alias the output. With
+    // offload the step already wrote this rank's slice of flat_param.
+    at::Tensor input =
+        offloaded_
+            ? shard.flat_param
+                  .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()), bucket.shard_numel)
+                  .clone()
+            : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
+                                         /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+    parameter_gathers_.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
+    parameter_gather_inputs_.push_back(std::move(input));
   }
 }
 

@@ -35,6 +35,16 @@ void ZeroOptimizer::raise_if_any_rank_failed(const std::string& local_error,
   replica_comm_->raise_if_any_rank_failed(error, what, device_);
 }
 
+std::string ZeroOptimizer::agreed_error(const std::string& local_error, const std::string& tag) {
+  std::string agreed = checkpoint_detail::combined_error(
+      checkpoint_detail::all_gather_strings(*comm_, local_error, device_, tag));
+  if (replica_comm_) {  // one node's failure stops every replica
+    agreed = checkpoint_detail::combined_error(
+        checkpoint_detail::all_gather_strings(*replica_comm_, agreed, device_, "replicas/" + tag));
+  }
+  return agreed;
+}
+
 void ZeroOptimizer::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
   if (replica_comm_) {
     replica_comm_->broadcast(tensor, /*root=*/0, "replicas/" + tag);

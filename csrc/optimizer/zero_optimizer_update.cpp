@@ -20,6 +20,7 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
   const bool nvme =
       (placement_->offload_tier() == StateTier::kNVMe && offloaded_) || param_swapper_ != nullptr;
   std::string nvme_error;
+  parameter_gathers_launched_.assign(param_groups_.size(), 0);
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupShards& shard = shards_[g];
     const auto& group_options = param_groups_[g].options();
@@ -60,6 +61,9 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       if (offloaded_) {
         runs.push_back(OffloadedOptimizerState::UpdateRun{offset, length, step});
         continue;
+      }
+      if (!gatherer_) {  // the buckets before this run are complete
+        launch_parameter_gathers(g, static_cast<size_t>(first.bucket_index));
       }
       auto slice = [&](const at::Tensor& t) {
         return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
@@ -110,12 +114,7 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the
     // next collective.
-    std::string agreed = checkpoint_detail::combined_error(
-        checkpoint_detail::all_gather_strings(*comm_, nvme_error, device_, "nvme_step"));
-    if (replica_comm_) {
-      agreed = checkpoint_detail::combined_error(
-          checkpoint_detail::all_gather_strings(*replica_comm_, agreed, device_, "nvme_step"));
-    }
+    const std::string agreed = agreed_error(nvme_error, "nvme_step");
     TORCH_CHECK(agreed.empty(),
                 "could not update the optimizer state or parameters on NVMe (this step is "
                 "incomplete; resume from the last checkpoint): ",

@@ -48,5 +48,65 @@ TEST(MappedHostMemoryTest, SmallBuffersAndZerosBuffers) {
   EXPECT_EQ(empty_buffer(0, options).numel(), 0);
 }
 
+TEST(HostBufferPoolTest, AFreedBufferIsReusedAndZerosReadAsZeros) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  constexpr int64_t kNumel = int64_t{1} << 20;
+  HostBufferPool pool;
+  void* first = nullptr;
+  {
+    at::Tensor buffer = pool.empty(kNumel, options);
+    first = buffer.data_ptr();
+    buffer.fill_(3);
+  }
+  EXPECT_EQ(pool.cached_bytes(), kNumel * 4);
+  // A slightly smaller request (the next bucket) fits in the held mapping.
+  at::Tensor again = pool.zeros(kNumel - 1000, options);
+  EXPECT_EQ(again.data_ptr(), first) << "the same mapping comes back";
+  EXPECT_EQ(again.abs().max().item<float>(), 0.0f) << "a reused mapping is zeroed";
+  EXPECT_EQ(pool.cached_bytes(), 0);
+}
+
+TEST(HostBufferPoolTest, HoldsNoMoreThanItsPeakAndClearGivesItBack) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  constexpr int64_t kNumel = int64_t{1} << 20;  // 4 MiB
+  HostBufferPool pool;
+  const int64_t before = resident_bytes();
+  {
+    // Two out at once: the peak is 8 MiB.
+    at::Tensor a = pool.empty(kNumel, options).fill_(1);
+    at::Tensor b = pool.empty(kNumel, options).fill_(1);
+  }
+  EXPECT_EQ(pool.cached_bytes(), 2 * kNumel * 4);
+  {
+    // A size the pool does not hold: what it holds shrinks so that held plus
+    // out stays within the 8 MiB peak.
+    at::Tensor c = pool.empty(kNumel + 1024, options).fill_(1);
+    EXPECT_LE(pool.cached_bytes() + (kNumel + 1024) * 4, 2 * kNumel * 4 + (kNumel + 1024) * 4);
+    EXPECT_LE(pool.cached_bytes(), kNumel * 4);
+  }
+  const int64_t held = pool.cached_bytes();
+  EXPECT_LE(held, 2 * kNumel * 4);
+  EXPECT_GE(held, kNumel * 4);
+  const int64_t resident_while_held = resident_bytes();
+  EXPECT_GE(resident_while_held - before, kNumel * 4);  // held, resident
+  pool.clear();
+  EXPECT_EQ(pool.cached_bytes(), 0);
+  EXPECT_GE(resident_while_held - resident_bytes(), held * 9 / 10) << "clear() unmaps";
+  // Small and CUDA-less requests fall back to the heap, as empty_buffer does.
+  EXPECT_NE(pool.empty(16, options).storage().allocator(), mapped_host_allocator());
+}
+
+TEST(HostBufferPoolTest, ABufferMayOutliveItsPool) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor survivor;
+  {
+    HostBufferPool pool;
+    survivor = pool.empty(int64_t{1} << 20, options);
+  }
+  survivor.fill_(2);  // still mapped
+  EXPECT_EQ(survivor.sum().item<float>(), 2.0f * (1 << 20));
+  survivor = at::Tensor();  // unmapped now, without the pool
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/rank_health.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -203,6 +204,7 @@ class Communicator {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_prefix_;
   bool all_to_all_reduce_scatter_ = true;
+  HostBufferPool receive_buffers_;  // the all-to-all's rows, one step to the next
 
   friend class PendingCollective;
   void set_waiting(bool waiting) {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "zeroshard/communicator.h"
+#include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/partition_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -56,6 +57,10 @@ class GradientBuckets {
   // Copies the full gradient of parameter `index` of group `group` into its
   // bucket and launches every bucket that is now complete and next in order.
   void add_gradient(size_t group, int64_t index, const at::Tensor& grad);
+
+  // Where staging and reduce-scatter outputs come from (see [Note: recycled
+  // step buffers]); the owner takes its per-step gradient shards from it too.
+  HostBufferPool& buffer_pool() { return buffer_pool_; }
 
   // Fetches a gradient still held outside the buckets (e.g. accumulated in
   // .grad under no_sync), or an undefined tensor if there is none.
@@ -121,6 +126,7 @@ class GradientBuckets {
 
   const PartitionLayout& layout_;
   Communicator& comm_;
+  HostBufferPool buffer_pool_;
   std::vector<at::TensorOptions> grad_options_;
   GradShardOf grad_shard_of_;
   BucketComplete on_complete_;

@@ -286,6 +286,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // ---- Hybrid sharding (zero_optimizer_replicas.cpp); no-ops without it ----
   // An error found on some ranks of either group raised on every rank.
   void raise_if_any_rank_failed(const std::string& local_error, const std::string& what);
+  // Every rank's error ("" for none) combined over the shard group, then
+  // across replicas: the same string on every rank.
+  std::string agreed_error(const std::string& local_error, const std::string& tag);
   // Replica 0's values on every replica (after the shard group's broadcast).
   void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag);
   void max_across_replicas(at::Tensor& tensor, const std::string& tag);
@@ -359,6 +362,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void on_backward_end(bool outermost);
   at::Tensor take_leftover_grad(size_t group, int64_t index);
   void update_shards(const std::vector<std::vector<bool>>& has_grad);
+  // Stages 1-2: launches the all-gather of group g's buckets below `end`
+  // not yet launched this step (see [Note: gathers behind the update]).
+  void launch_parameter_gathers(size_t g, size_t end);
   void gather_parameters();
 
   InnerOptimizerKind inner_kind_;
@@ -376,6 +382,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // GroupShards::param_shard is undefined).
   std::unique_ptr<NvmeParameterSwapper> param_swapper_;
   std::vector<GroupShards> shards_;
+  // Stages 1-2: this step's parameter all-gathers in flight, their inputs,
+  // and per group how many buckets have been launched.
+  std::vector<PendingCollective> parameter_gathers_;
+  std::vector<at::Tensor> parameter_gather_inputs_;
+  std::vector<size_t> parameter_gathers_launched_;
   // With offload the gradient shard holds the reduced sum and this factor
   // (1 / (world size x loss scale), times the clipping coefficient) is
   // applied inside the host kernel's one pass; 1 otherwise.

@@ -1,0 +1,168 @@
+"""Step time of zeroshard against its peers, paired step by step in one run.
+
+    python benchmarks/bench_paired.py                       # ~30M-parameter GPT
+    python benchmarks/bench_paired.py --steps 40 --variants ddp_adamw,zeroshard_stage2
+
+This machine's speed drifts by ±15% between the variants of
+run_benchmarks.py, which runs each variant in processes of its own (so that
+its peak RSS is its own). That drift hides differences of a few percent. Here
+every variant lives in the same rank processes and they take turns: each
+step, every variant trains one step on the same batch, in an order that
+rotates from step to step, so a slow second of the machine falls on all of
+them alike. Reported per variant: the median over steps of its step time
+divided by the baseline's step time in the same step, with the 25th and 75th
+percentiles of that ratio, and the median time of each phase (forward,
+backward, optimizer step) on rank 0. A step's time runs from a barrier to a
+barrier, so it is the slowest rank's. Memory is run_benchmarks.py's business.
+Results: benchmarks/results/paired.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_benchmarks import ROOT, Variant  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from dist_harness import run_ranks  # noqa: E402
+
+DEFAULT_VARIANTS = [
+    "ddp_adamw",
+    "zeroshard_stage1",
+    "zeroshard_stage1_overlap",
+    "zeroshard_stage2",
+    "fsdp2",
+    "zeroshard_stage3",
+    "zeroshard_stage3_nowindow",
+]
+# Each zeroshard variant's step time is compared with this peer's.
+BASELINE = {"zeroshard_stage3": "fsdp2", "zeroshard_stage3_nowindow": "fsdp2"}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_gpt import GPT
+
+    torch.set_num_threads(max(1, args.threads))
+    variants = {}
+    for name in args.variants:
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.width, args.depth, args.heads, args.context)
+        variants[name] = Variant(name, model, args)
+    phases: dict[str, dict[str, list[float]]] = {
+        name: {"step": [], "forward": [], "backward": [], "optimizer": []} for name in variants
+    }
+    per_rank = args.global_batch // world
+    names = list(variants)
+    for step in range(args.warmup + args.steps):
+        g = torch.Generator().manual_seed(step)
+        seq = torch.randint(0, args.vocab, (args.global_batch, args.context + 1), generator=g)
+        seq = seq[rank * per_rank : (rank + 1) * per_rank]
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            variant = variants[name]
+            dist.barrier()
+            start = time.perf_counter()
+            variant.zero_grad()
+            logits = variant.model(seq[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, args.vocab), seq[:, 1:].reshape(-1)
+            )
+            forward = time.perf_counter()
+            variant.backward(loss)
+            backward = time.perf_counter()
+            variant.step()
+            optimizer = time.perf_counter()
+            dist.barrier()
+            end = time.perf_counter()
+            if step >= args.warmup:
+                times = phases[name]
+                times["step"].append(end - start)
+                times["forward"].append(forward - start)
+                times["backward"].append(backward - forward)
+                times["optimizer"].append(optimizer - backward)
+    dist.barrier()
+    del variants  # before the process group goes
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--bucket", type=int, default=5_000_000)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paired"))
+    args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    results = run_ranks(args.world_size, _rank, args, timeout=7200)
+    rank0 = results[0]
+    lines = [
+        "# Step time, paired step by step (zeroshard and its peers in one run)",
+        "",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"- machine: {platform.platform()}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
+        f"Gloo on CPU, {args.world_size} ranks, {args.threads} thread(s) per rank",
+        f"- model: examples/train_gpt.py's GPT (vocab {args.vocab}, width {args.width}, depth "
+        f"{args.depth}), global batch {args.global_batch} x {args.context} tokens; "
+        f"{args.steps} timed steps after {args.warmup} warm-up",
+        "- every variant trains one step per round in the same processes, in a rotating order; "
+        "ratio = this variant's step time / its baseline's in the same round (median and "
+        "25th-75th percentile over rounds); phases are rank 0's medians",
+        "",
+        "| variant | baseline | ratio (median) | ratio p25-p75 | step (ms) | forward (ms) | "
+        "backward (ms) | optimizer step (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in args.variants:
+        baseline = BASELINE.get(name, "ddp_adamw")
+        if baseline not in rank0 or not name.startswith("zeroshard"):
+            baseline = name
+        ratios = [a / b for a, b in zip(rank0[name]["step"], rank0[baseline]["step"], strict=True)]
+        medians = {k: statistics.median(v) * 1e3 for k, v in rank0[name].items()}
+        lines.append(
+            f"| {name} | {baseline} | {statistics.median(ratios):.3f} | "
+            f"{quantile(ratios, 0.25):.3f}-{quantile(ratios, 0.75):.3f} | "
+            f"{medians['step']:.1f} | {medians['forward']:.1f} | {medians['backward']:.1f} | "
+            f"{medians['optimizer']:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
