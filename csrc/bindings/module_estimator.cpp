@@ -114,10 +114,13 @@ void bind_estimator(py::module_& m) {
   m.def(
       "recommend_configuration",
       [](double num_params, double largest_unit_params, int64_t world_size, int64_t ranks_per_node,
-         const std::string& precision, const std::string& optimizer, double device_bytes) {
+         const std::string& precision, const std::string& optimizer, double device_bytes,
+         int64_t tensor_parallel_size, int64_t pipeline_parallel_size) {
         auto r = zeroshard::recommend_configuration(
             estimate_options(num_params, largest_unit_params, world_size, ranks_per_node, precision,
-                             optimizer, "none", "none"),
+                             optimizer, "none", "none")
+                .tensor_parallel_size(tensor_parallel_size)
+                .pipeline_parallel_size(pipeline_parallel_size),
             device_bytes);
         py::dict out;
         out["fits"] = r.fits;
@@ -129,7 +132,8 @@ void bind_estimator(py::module_& m) {
       },
       py::arg("num_params"), py::arg("largest_unit_params"), py::arg("world_size"),
       py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
-      py::arg("device_bytes"));
+      py::arg("device_bytes"), py::arg("tensor_parallel_size") = 1,
+      py::arg("pipeline_parallel_size") = 1);
 }
 
 }  // namespace zeroshard

@@ -39,6 +39,8 @@ def _estimate_command(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             ranks_per_node=args.ranks_per_node,
             largest_unit_params=parse_count(args.largest_unit),
+            tensor_parallel_size=args.tensor_parallel,
+            pipeline_parallel_size=args.pipeline_parallel,
             **options,
         )
         print(("recommendation: " if advice["fits"] else "no fit: ") + advice["reason"])

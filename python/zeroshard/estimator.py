@@ -226,8 +226,15 @@ def recommend(
     precision: str = "mixed16",
     optimizer: str = "adamw",
     largest_unit_params: float = 0.0,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """The cheapest configuration whose per-rank device memory fits, and why."""
+    """The cheapest configuration whose per-rank device memory fits, and why.
+
+    With tensor or pipeline parallel degrees, as in :func:`estimate`: a rank
+    holds 1/(TP x PP) of the model and ZeRO shards that over the
+    world_size / (TP x PP) data-parallel ranks.
+    """
     return dict(
         _C.recommend_configuration(
             parse_count(num_params),
@@ -237,6 +244,8 @@ def recommend(
             precision,
             optimizer,
             parse_bytes(device_memory),
+            tensor_parallel_size,
+            pipeline_parallel_size,
         )
     )
 

@@ -88,6 +88,33 @@ def test_cli_prints_table_and_recommendation(capsys) -> None:
     assert "ZeRO stage 1 would need 71.5 GB" in out
 
 
+def test_recommendation_counts_tensor_and_pipeline_degrees(capsys) -> None:
+    # 175B on 64 ranks of 80 GB: as pure ZeRO over 64 ranks only stage 3
+    # fits (stage 2 keeps every 16-bit parameter: 350 GB); TP 8 x PP 4 puts a
+    # 1/32 slice on each rank, and stage 1 over the remaining 2 ranks fits it.
+    flat = zeroshard.recommend("175B", device_memory="80GB", world_size=64, ranks_per_node=8)
+    split = zeroshard.recommend(
+        "175B",
+        device_memory="80GB",
+        world_size=64,
+        ranks_per_node=8,
+        tensor_parallel_size=8,
+        pipeline_parallel_size=4,
+    )
+    assert flat["fits"] and flat["estimate"]["stage"] == 3
+    assert split["fits"] and split["estimate"]["stage"] == 1
+    sliced = zeroshard.estimate(
+        "175B", world_size=64, ranks_per_node=8, tensor_parallel_size=8, pipeline_parallel_size=4
+    )
+    chosen = next(r for r in sliced if r["stage"] == split["estimate"]["stage"])
+    assert split["estimate"]["device_bytes"] == chosen["device_bytes"]
+    assert split["estimate"]["device_bytes"] != flat["estimate"]["device_bytes"]
+    args = ["estimate", "--params", "175B", "--world-size", "64", "--ranks-per-node", "8"]
+    args += ["--device-memory", "80GB", "--tensor-parallel", "8", "--pipeline-parallel", "4"]
+    assert cli_main(args) == 0
+    assert split["reason"] in capsys.readouterr().out
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
     reason="matplotlib is an optional extra; scripts/ensure_env.sh installs it",
