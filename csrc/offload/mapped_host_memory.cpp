@@ -126,25 +126,26 @@ struct HostBufferPool::State {
     std::vector<std::pair<size_t, void*>> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      out_bytes += bytes;
-      peak_out_bytes = std::max(peak_out_bytes, out_bytes);
-      // The smallest held mapping that fits: buckets are cut at parameter
-      // boundaries, so their sizes differ a little from one to the next.
+      // The smallest held mapping that fits, if it is at most twice the
+      // request: buckets are cut at parameter boundaries, so their sizes
+      // differ a little from one to the next, and a small request must not
+      // pin a large mapping.
       const auto found = free.lower_bound(bytes);
-      *reused = found != free.end();
+      *reused = found != free.end() && found->first <= 2 * bytes;
       if (*reused) {
         const size_t held = found->first;
         void* address = found->second;
         free.erase(found);
         cached_bytes -= held;
-        out_bytes += held - bytes;
+        out_bytes += held;
         peak_out_bytes = std::max(peak_out_bytes, out_bytes);
         *mapped_size = held;
         return address;
       }
-      *mapped_size = bytes;
-      // Held mappings of other sizes go while the pool would exceed the peak.
-      while (cached_bytes + out_bytes > peak_out_bytes && !free.empty()) {
+      // Held mappings go (largest first) while holding them and this new one
+      // would exceed the peak.
+      const size_t peak = std::max(peak_out_bytes, out_bytes + bytes);
+      while (cached_bytes + out_bytes + bytes > peak && !free.empty()) {
         const auto largest = std::prev(free.end());
         evicted.emplace_back(*largest);
         cached_bytes -= largest->first;
@@ -154,13 +155,12 @@ struct HostBufferPool::State {
     for (const auto& [size, address] : evicted) {
       ::munmap(address, size);
     }
-    try {
-      return map_pages(bytes);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex);
-      out_bytes -= bytes;
-      throw;
-    }
+    void* address = map_pages(bytes);  // throws with nothing to undo
+    std::lock_guard<std::mutex> lock(mutex);
+    out_bytes += bytes;
+    peak_out_bytes = std::max(peak_out_bytes, out_bytes);
+    *mapped_size = bytes;
+    return address;
   }
 
   void give_back(void* address, size_t bytes) {
@@ -207,13 +207,18 @@ at::Tensor HostBufferPool::take(int64_t numel, const at::TensorOptions& options,
       mapped_bytes(static_cast<size_t>(numel) * static_cast<size_t>(options.dtype().itemsize()));
   size_t mapped_size = 0;
   void* address = state_->acquire(bytes, reused, &mapped_size);
-  std::shared_ptr<State> state = state_;
-  return at::from_blob(
-      address, {numel},
-      [state = std::move(state), address, mapped_size](void*) {
-        state->give_back(address, mapped_size);
-      },
-      options);
+  try {
+    std::shared_ptr<State> state = state_;
+    return at::from_blob(
+        address, {numel},
+        [state = std::move(state), address, mapped_size](void*) {
+          state->give_back(address, mapped_size);
+        },
+        options);
+  } catch (...) {
+    state_->give_back(address, mapped_size);
+    throw;
+  }
 }
 
 at::Tensor HostBufferPool::empty(int64_t numel, const at::TensorOptions& options) {

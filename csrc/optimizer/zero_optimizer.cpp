@@ -457,24 +457,35 @@ void ZeroOptimizer::gather_parameters() {
     gatherer_->after_step();
     return;
   }
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    launch_parameter_gathers(g, layout_->group(g).buckets().size());
+  try {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      launch_parameter_gathers(g, layout_->group(g).buckets().size());
+    }
+  } catch (...) {
+    parameter_gathers_launched_.assign(param_groups_.size(), 0);
+    throw;
   }
+  // Whatever the waits do, the next gather starts from nothing.
   std::vector<PendingCollective> pending = std::move(parameter_gathers_);
+  std::vector<at::Tensor> inputs = std::move(parameter_gather_inputs_);
   parameter_gathers_.clear();
+  parameter_gather_inputs_.clear();
+  parameter_gathers_launched_.assign(param_groups_.size(), 0);
   for (auto& work : pending) {
     work.wait();
   }
-  parameter_gather_inputs_.clear();
-  parameter_gathers_launched_.assign(param_groups_.size(), 0);
 }
 
 // [Note: gathers behind the update]
 // At stages 1-2 a bucket's all-gather can start as soon as this rank's slice
 // of it is updated: update_shards launches each bucket's gather when the
 // update moves past it, so the communication of bucket b overlaps the update
-// of b + 1 (the update walks the shard in bucket order). gather_parameters
-// launches what is left (every bucket, with offload) and waits for all.
+// of b + 1 (the update walks the shard in bucket order), and the rest of a
+// group's before the next group's, so every rank issues them in (group,
+// bucket) order. gather_parameters launches what is left (every bucket,
+// with offload) and waits for all. A failed update drops the gathers it
+// launched without waiting (the other ranks then fail in theirs, bounded by
+// the process-group timeout, as with any failure between collectives).
 void ZeroOptimizer::launch_parameter_gathers(size_t g, size_t end) {
   if (parameter_gathers_launched_.size() != param_groups_.size()) {
     parameter_gathers_launched_.assign(param_groups_.size(), 0);

@@ -93,7 +93,7 @@ void ZeroOptimizer::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
       shards_[g].grad_shard =
-          buckets_->buffer_pool().zeros(layout_->group(g).shard_numel(), shards_[g].grad_options);
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
     }
   }
 }
@@ -171,7 +171,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       shards_[g].grad_shard =
-          buckets_->buffer_pool().zeros(layout_->group(g).shard_numel(), shards_[g].grad_options);
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();

@@ -78,6 +78,12 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
                      slice(shard.momentum_buffer)};
       apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
     }
+    if (!offloaded_ && !gatherer_) {
+      // The rest of this group's buckets, before the next group's: which
+      // buckets a rank's runs fall in depends on its slice and on skipped
+      // parameters, but the order of the gathers must not.
+      launch_parameter_gathers(g, layout_->group(g).buckets().size());
+    }
     if (offloaded_ && nvme_error.empty()) {
       auto write = [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
         write_parameter_values(group, offset, values, async);

@@ -64,6 +64,13 @@ TEST(HostBufferPoolTest, AFreedBufferIsReusedAndZerosReadAsZeros) {
   EXPECT_EQ(again.data_ptr(), first) << "the same mapping comes back";
   EXPECT_EQ(again.abs().max().item<float>(), 0.0f) << "a reused mapping is zeroed";
   EXPECT_EQ(pool.cached_bytes(), 0);
+  again = at::Tensor();
+  // A request of under half a held mapping does not pin it.
+  at::Tensor small = pool.empty(kNumel / 4, options);
+  EXPECT_NE(small.data_ptr(), first);
+  // Holding the 4 MiB mapping beside the new 1 MiB one would exceed the
+  // 4 MiB peak, so it went.
+  EXPECT_EQ(pool.cached_bytes(), 0);
 }
 
 TEST(HostBufferPoolTest, HoldsNoMoreThanItsPeakAndClearGivesItBack) {

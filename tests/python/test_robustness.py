@@ -213,3 +213,67 @@ def test_a_parameter_used_on_some_ranks_only_trains_and_does_not_hang(stage: int
         optimizer.step()
     results = unwrap(run_ranks(2, _used_on_rank_0_only, stage))
     assert_ranks_match_reference(results, snapshot(model), 1e-6, f"stage {stage}")
+
+
+class _TwoGroups(nn.Module):
+    """With 8-element buckets, a and b share group 0's last bucket (buckets
+    are cut from a group's last parameter back): one rank's slice holds a, the
+    other's the never-used b, so only one rank updates anything there and
+    only that rank passes group 0's first bucket during the update. Group 1
+    has two buckets of another size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w0 = nn.Parameter(torch.randn(8, generator=g))
+        self.a = nn.Parameter(torch.randn(4, generator=g))
+        self.b = nn.Parameter(torch.randn(4, generator=g))  # never used
+        self.c1 = nn.Parameter(torch.randn(6, generator=g))
+        self.c2 = nn.Parameter(torch.randn(6, generator=g))
+
+    def groups(self) -> list[dict[str, Any]]:
+        return [
+            {"params": [self.a, self.b, self.w0]},
+            {"params": [self.c1, self.c2], "weight_decay": 0.0},
+        ]
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            (self.w0 * x[:8]).sum() ** 2
+            + (self.a * x[:4]).sum() ** 2
+            + (torch.cat([self.c1, self.c2]) * x).sum() ** 2
+        )
+
+
+def _two_groups_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(12, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _train_two_groups(rank: int, world_size: int, stage: int) -> dict[str, torch.Tensor]:
+    model = _TwoGroups()
+    optimizer = zeroshard.ZeroOptimizer(
+        model.groups(), "adamw", stage=stage, lr=0.05, weight_decay=0.1, reduce_bucket_size=8
+    )
+    for step in range(4):
+        optimizer.zero_grad()
+        (model.loss(_two_groups_batch(step, rank)) / world_size).backward()
+        optimizer.step()
+    return snapshot(model)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_gathers_keep_one_order_when_ranks_update_different_buckets(stage: int) -> None:
+    # Each bucket's all-gather starts as soon as the update has passed it.
+    # Where that happens depends on the rank's slice (one rank has nothing to
+    # update in group 0's last bucket): the gathers went out as g0b0, g1b0,
+    # g0b1 on one rank and g1b0, g0b0, g0b1 on the other (Gloo: "Received data
+    # size doesn't match expected size", then a hang) until each group's were
+    # launched before the next group's.
+    model = _TwoGroups()
+    optimizer = torch.optim.AdamW(model.groups(), lr=0.05, weight_decay=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        sum(model.loss(_two_groups_batch(step, r)) / 2 for r in range(2)).backward()
+        optimizer.step()
+    results = unwrap(run_ranks(2, _train_two_groups, stage, timeout=120))
+    assert_ranks_match_reference(results, snapshot(model), 1e-6, f"stage {stage}")

@@ -58,10 +58,6 @@ class GradientBuckets {
   // bucket and launches every bucket that is now complete and next in order.
   void add_gradient(size_t group, int64_t index, const at::Tensor& grad);
 
-  // Where staging and reduce-scatter outputs come from (see [Note: recycled
-  // step buffers]); the owner takes its per-step gradient shards from it too.
-  HostBufferPool& buffer_pool() { return buffer_pool_; }
-
   // Fetches a gradient still held outside the buckets (e.g. accumulated in
   // .grad under no_sync), or an undefined tensor if there is none.
   using LeftoverGradient = std::function<at::Tensor(size_t group, int64_t index)>;
@@ -126,7 +122,7 @@ class GradientBuckets {
 
   const PartitionLayout& layout_;
   Communicator& comm_;
-  HostBufferPool buffer_pool_;
+  HostBufferPool buffer_pool_;  // staging and outputs (see [Note: recycled step buffers])
   std::vector<at::TensorOptions> grad_options_;
   GradShardOf grad_shard_of_;
   BucketComplete on_complete_;

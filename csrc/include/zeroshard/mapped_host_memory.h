@@ -38,15 +38,17 @@ at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options);
 
 // [Note: recycled step buffers]
 // Some of those buffers recur every step at the same sizes: gradient staging,
-// all-to-all receive rows, reduce-scatter outputs, stage-1 gradient shards.
+// all-to-all receive rows, reduce-scatter outputs.
 // A fresh mapping per use faults its pages in again every step: 20K faults a
 // step at stage 2 on a 29M-parameter GPT on 2 CPU ranks, against 5K for DDP,
 // whose buckets persist. A pool keeps the mappings its buffers free and
-// hands the smallest that fits to the next request (bucket sizes differ a
-// little, cut at parameter boundaries). It keeps at most its
-// buffers' peak (the high-water mark of what was out at once) minus what is
-// out now, so at rest it holds no more than one step needed at its peak, and
-// the peak itself is unchanged; clear() gives everything it holds back.
+// hands the smallest that fits (at most twice the request) to the next
+// request: bucket sizes differ a little, cut at parameter boundaries. What it
+// holds plus what is out never exceeds its buffers' high-water mark, so it
+// holds at rest (between steps, while the next forward runs) up to what one
+// step had out at once, as CUDA's caching allocator would; clear() gives that
+// back. Buffers that must leave the process when released (gathered stage-3
+// units, the stage-1 gradient shard) do not come from a pool.
 class HostBufferPool {
  public:
   HostBufferPool();
