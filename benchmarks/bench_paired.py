@@ -43,6 +43,7 @@ DEFAULT_VARIANTS = [
     "zeroshard_stage1",
     "zeroshard_stage1_overlap",
     "zeroshard_stage2",
+    "zeroshard_stage2_fused",
     "fsdp2",
     "zeroshard_stage3",
     "zeroshard_stage3_nowindow",
