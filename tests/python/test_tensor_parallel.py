@@ -245,3 +245,52 @@ def test_engine_with_a_tensor_parallel_model_and_the_dp_mesh() -> None:
             diff = _max_diff(r["full"], expected)
             print(f"engine rank {rank}: max abs diff {diff:.3e}")
             assert diff <= TOLERANCE, (rank, diff)
+
+
+def _train_hybrid(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, TP), mesh_dim_names=("replicate", "shard", "tp"))
+    dp_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    model = _parallelized(mesh)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=stage,
+        device_mesh=mesh["replicate", "shard"],
+        module=model,
+        max_norm=CLIP,
+        reduce_bucket_size=30,
+        stage3_param_persistence_threshold=0,
+        lr=LR,
+    )
+    per = BATCH // 4
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss_of(
+            model, x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        ).backward()
+        norms.append(optimizer.clip_grad_norm_(1e9).item())
+        optimizer.step()
+    return {"full": optimizer.full_state_dict(rank=0), "norms": norms}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tp2_inside_hybrid_2x2_matches_torch_optim_on_the_unsplit_model(stage: int) -> None:
+    # A 3-D mesh: replicate 2 x shard 2 x TP 2 (8 ranks), ZeRO over the
+    # (replicate, shard) sub-mesh, TP over the last dimension.
+    results = unwrap(run_ranks(8, _train_hybrid, stage, timeout=400))
+    expected, expected_norms = reference()
+    compared = 0
+    for rank, r in enumerate(results):
+        for got, want in zip(r["norms"], expected_norms, strict=True):
+            assert abs(got - want) <= 1e-6 * want, (rank, r["norms"], expected_norms)
+        if r["full"]:
+            diff = _max_diff(r["full"], expected)
+            print(f"stage {stage} rank {rank}: zeroshard {diff:.3e}")
+            assert diff <= TOLERANCE, (rank, diff)
+            compared += 1
+    # full_state_dict(rank=0): shard rank 0 of each replica, on both TP ranks.
+    assert compared == 4, compared
