@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_benchmarks import ROOT, Variant  # noqa: E402
+from run_benchmarks import ROOT, Variant, add_run_arguments  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 from dist_harness import run_ranks  # noqa: E402
@@ -111,17 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--bucket", type=int, default=5_000_000)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_run_arguments(parser, steps=30, warmup=3)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paired"))
     args = parser.parse_args()

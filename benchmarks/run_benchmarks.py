@@ -336,13 +336,11 @@ def write_chart(summary: dict[str, dict[str, float]], path: str) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The ranks, the GPT and the batch: what every benchmark of this GPT takes."""
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -355,8 +353,14 @@ def main() -> None:
         default=5_000_000,
         help="zeroshard reduce_bucket_size in elements (its default)",
     )
-
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(parser, steps=10, warmup=2)
     default_variants = ZEROSHARD + PEERS
     if importlib.util.find_spec("deepspeed") is not None:
         default_variants += DEEPSPEED
