@@ -9,6 +9,8 @@
 
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 // After torch's pybind11 setup above.
 #include "checkpoint_bindings.h"
 #include "no_gil_delete.h"
@@ -363,8 +365,24 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
           "set_failure_store for the replicate group (hybrid sharding).")
-      .def("set_tensor_parallel", &ZeroOptimizer::set_tensor_parallel, py::arg("group"),
-           py::arg("sharded"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_tensor_parallel",
+          [](ZeroOptimizer& self, c10::intrusive_ptr<c10d::ProcessGroup> group,
+             std::vector<std::vector<bool>> sharded,
+             const std::vector<std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>>>&
+                 splits) {
+            std::vector<std::vector<zeroshard::TensorParallelSplit>> converted(splits.size());
+            for (size_t g = 0; g < splits.size(); ++g) {
+              for (const auto& [dim, start, full_shape] : splits[g]) {
+                converted[g].push_back({dim, start, full_shape});
+              }
+            }
+            py::gil_scoped_release released;
+            self.set_tensor_parallel(std::move(group), std::move(sharded), std::move(converted));
+          },
+          py::arg("group"), py::arg("sharded"), py::arg("splits"),
+          "splits: per group, per parameter (dim, start, unsplit shape); dim -1 for a copy.")
+      .def("checkpoint_rank", &ZeroOptimizer::checkpoint_rank)
       .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("retired_work_count",

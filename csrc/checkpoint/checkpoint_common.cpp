@@ -70,8 +70,13 @@ json write_rank_file(const std::string& dir, int64_t rank, int64_t world_size,
                             {"world_size", std::to_string(world_size)}});
   for (size_t i = 0; i < pieces.size(); ++i) {
     const WrittenPiece written = writer.append(piece(i));
-    manifest["pieces"].push_back({pieces[i].param, pieces[i].state, pieces[i].begin,
-                                  pieces[i].numel, written.offset, written.crc32c});
+    json record = {pieces[i].param, pieces[i].state, pieces[i].begin,
+                   pieces[i].numel, written.offset,  written.crc32c};
+    if (pieces[i].run > 0) {
+      record.push_back(pieces[i].run);
+      record.push_back(pieces[i].stride);
+    }
+    manifest["pieces"].push_back(std::move(record));
   }
   writer.finish();
   manifest["bytes"] = writer.bytes_written();
@@ -93,12 +98,41 @@ void merge_manifests(json& index, const std::vector<std::string>& manifests) {
     index["files"].push_back({{"name", theirs.at("file")}, {"bytes", theirs.at("bytes")}});
     index["rank_files"].push_back(theirs.at("rank_files"));
     for (const auto& piece : theirs.at("pieces")) {
-      json& states = index["params"][position.at(piece[0].get<std::string>())]["states"];
-      states[piece[1].get<std::string>()].push_back({{"file", r},
-                                                     {"begin", piece[2]},
-                                                     {"numel", piece[3]},
-                                                     {"offset", piece[4]},
-                                                     {"crc32c", piece[5]}});
+      const std::string& name = piece[0].get_ref<const std::string&>();
+      auto found = position.find(name);
+      TORCH_CHECK_VALUE(found != position.end(), "rank ", r, " stored parameter '", name,
+                        "', which rank 0 does not have: every rank of the shard and "
+                        "tensor-parallel groups must name the same parameters");
+      json& states = index["params"][found->second]["states"];
+      json record = {{"file", r},
+                     {"begin", piece[2]},
+                     {"numel", piece[3]},
+                     {"offset", piece[4]},
+                     {"crc32c", piece[5]}};
+      if (piece.size() > 6) {
+        record["run"] = piece[6];
+        record["stride"] = piece[7];
+      }
+      states[piece[1].get<std::string>()].push_back(std::move(record));
+    }
+  }
+  // Each element once: two ranks storing a tensor under one name (experts of
+  // two expert-parallel ranks both called "experts.0...") would make the
+  // checkpoint unreadable.
+  for (const auto& param : index["params"]) {
+    int64_t numel = 1;
+    for (const auto& extent : param["shape"]) {
+      numel *= extent.get<int64_t>();
+    }
+    for (const auto& [state, pieces] : param["states"].items()) {
+      int64_t stored = 0;
+      for (const auto& piece : pieces) {
+        stored += piece["numel"].get<int64_t>();
+      }
+      TORCH_CHECK_VALUE(stored == numel, "the ranks stored ", stored, " elements of ", state,
+                        " for parameter '", param["name"].get<std::string>(), "' of ", numel,
+                        ": a name must stand for one tensor on every rank (experts held by "
+                        "different expert-parallel ranks need names of their own)");
     }
   }
 }

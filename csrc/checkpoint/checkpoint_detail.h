@@ -45,12 +45,15 @@ void maybe_inject_fault(const char* point, int64_t rank);
 nlohmann::json file_record(const std::string& content);
 
 // One tensor of a rank's data file: `numel` elements of `state` of parameter
-// `param` from element `begin`.
+// `param` from element `begin`; with `run` > 0, runs of `run` elements
+// `stride` apart from there (a tensor-parallel piece, element_runs.h).
 struct PieceSpec {
   std::string param;
   std::string state;
   int64_t begin = 0;
   int64_t numel = 0;
+  int64_t run = 0;
+  int64_t stride = 0;
 };
 
 // Writes `dir`/rank_<rank>.safetensors (piece i's values from piece(i)) and

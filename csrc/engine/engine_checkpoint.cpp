@@ -50,7 +50,7 @@ std::string Engine::save_checkpoint(const std::string& save_dir, std::string tag
   replicated["loss_scaler"] = scaler_ ? nlohmann::json(scaler_->state()) : nlohmann::json();
   replicated["client_state"] = client_state;
   extra.replicated(std::move(replicated));
-  extra.rank_files()[cpu_rng_file(optimizer_.communicator().rank())] = cpu_rng_state();
+  extra.rank_files()[cpu_rng_file(optimizer_.checkpoint_rank())] = cpu_rng_state();
   if (save_latest) {
     extra.latest_path(checkpoint_path(save_dir, "latest")).latest_tag(tag);
   }
@@ -85,7 +85,7 @@ std::pair<std::string, nlohmann::json> Engine::load_checkpoint(const std::string
       optimizer_.set_loss_scale(scaler_->scale());
     }
     // Each rank's RNG continues where the rank with its number left off.
-    auto rng = result.rank_files.find(cpu_rng_file(optimizer_.communicator().rank()));
+    auto rng = result.rank_files.find(cpu_rng_file(optimizer_.checkpoint_rank()));
     if (rng != result.rank_files.end()) {
       set_cpu_rng_state(rng->second);
     }

@@ -2,6 +2,7 @@
 // written synchronously or by a background thread. Loading is in
 // zero_optimizer_checkpoint_load.cpp. See docs/design.md ("Checkpoints").
 #include "../checkpoint/checkpoint_detail.h"
+#include "../checkpoint/element_runs.h"
 #include "zeroshard/safetensors.h"
 #include "zeroshard/zero_optimizer.h"
 
@@ -30,6 +31,15 @@ namespace zeroshard {
 // Padding is never stored. 16-bit parameters are not stored either: the step
 // writes them as the master rounded to nearest, so the load recomputes them
 // exactly.
+//
+// Under tensor parallelism a rank's parameter is a piece of an unsplit tensor
+// (TensorParallelSplit), and ranges are ranges of the unsplit tensor's
+// flattening: the index lists unsplit shapes, the files of every
+// tensor-parallel rank share one directory, and a copy (Replicate) is written
+// by tensor-parallel rank 0 only. A piece split along a later dimension is
+// strided there, so a stored piece may be `count` runs of `run` elements
+// `stride` apart (format version 2; element_runs.h). The load maps both sides
+// into unsplit elements, so it reads at any tensor-parallel degree, or none.
 
 namespace {
 
@@ -119,20 +129,22 @@ at::Tensor ZeroOptimizer::read_state(size_t g, OptimizerStateName name, int64_t 
 }
 
 json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& options) const {
-  json index = {{"format", "zeroshard-checkpoint"},
-                {"format_version", kCheckpointFormatVersion},
-                {"zeroshard_version", "0.1.0"},
-                {"world_size", comm_->world_size()},
-                {"stage", options_.stage()},
-                {"inner_optimizer", inner_optimizer_name(inner_kind_)},
-                {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
-                {"reduce_bucket_size", options_.reduce_bucket_size()},
-                {"files", json::array()},
-                {"groups", json::array()},
-                {"params", json::array()},
-                {"replicated", options.replicated()},
-                {"replicated_files", json::object()},
-                {"rank_files", json::array()}};
+  json index = {
+      {"format", "zeroshard-checkpoint"},
+      {"format_version", kCheckpointFormatVersion},
+      {"zeroshard_version", "0.1.0"},
+      {"world_size", checkpoint_writer_count()},
+      {"tensor_parallel_size", tensor_parallel_comm_ ? tensor_parallel_comm_->world_size() : 1},
+      {"stage", options_.stage()},
+      {"inner_optimizer", inner_optimizer_name(inner_kind_)},
+      {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
+      {"reduce_bucket_size", options_.reduce_bucket_size()},
+      {"files", json::array()},
+      {"groups", json::array()},
+      {"params", json::array()},
+      {"replicated", options.replicated()},
+      {"replicated_files", json::object()},
+      {"rank_files", json::array()}};
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     json group = {
         {"hyperparameters", inner_options_to_json(inner_kind_, param_groups_[g].options())},
@@ -143,7 +155,7 @@ json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& optio
       group["params"].push_back(name);
       index["params"].push_back({{"name", name},
                                  {"aliases", parameter_aliases(g, i)},
-                                 {"shape", param.sizes().vec()},
+                                 {"shape", tensor_parallel_split(g, i).full_shape},
                                  {"dtype", safetensors_dtype_name(param.scalar_type())},
                                  {"group", g},
                                  {"step", shards_[g].steps[i]},
@@ -161,8 +173,13 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
   std::string error = finish_pending_checkpoint();
   const std::string path = checkpoint_path(path_in, "");
   const std::string staging = path + ".tmp";
-  const int64_t rank = comm_->rank();
-  const int64_t world = comm_->world_size();
+  const int64_t rank = checkpoint_rank();
+  const int64_t world = checkpoint_writer_count();
+  // The asynchronous commit agrees through the shard group's store, which
+  // the other tensor-parallel ranks' groups do not share.
+  TORCH_CHECK_VALUE(!options.async_save() || !tensor_parallel_comm_,
+                    "async_save with tensor-parallel parameters is not supported yet; save "
+                    "synchronously");
   TORCH_CHECK_VALUE(!options.async_save() || world == 1 || comm_->store(),
                     "async_save needs the process group's c10d store to agree on the commit "
                     "off the collective stream: call set_failure_store(store, prefix) first "
@@ -175,32 +192,51 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
       error = "cannot create " + staging + ": " + message_of(e);
     }
   }
-  checkpoint_detail::agree_on_errors(*comm_, error, "prepare checkpoint directory " + staging,
-                                     device());
-
-  // Every owned segment of every state, in shard order.
+  // Every owned segment of every state, in shard order, as runs of the
+  // unsplit tensor (one run without tensor parallelism).
   struct Source {
     size_t group;
     OptimizerStateName state;
-    ShardSegment segment;
+    int64_t shard_offset;
+    int64_t numel;
   };
   std::vector<Source> sources;
   std::vector<checkpoint_detail::PieceSpec> pieces;
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    for (const ShardSegment& segment : shards_[g].segments) {
-      for (OptimizerStateName state : kAllStates) {
-        if (has_state(g, state)) {
-          sources.push_back({g, state, segment});
-          pieces.push_back({parameter_name(g, segment.param_index), checkpoint_state_name(state),
-                            segment.param_offset, segment.numel});
+  if (error.empty()) {
+    try {
+      for (size_t g = 0; g < shards_.size(); ++g) {
+        for (const ShardSegment& segment : shards_[g].segments) {
+          const size_t i = segment.param_index;
+          if (!writes_checkpoint_piece(g, i)) {
+            continue;
+          }
+          const auto runs = checkpoint_detail::unsplit_runs(tensor_parallel_split(g, i),
+                                                            param_groups_[g].params()[i].sizes(),
+                                                            segment.param_offset, segment.numel);
+          for (OptimizerStateName state : kAllStates) {
+            if (!has_state(g, state)) {
+              continue;
+            }
+            int64_t offset = segment.shard_offset;
+            for (const auto& run : runs) {
+              const bool strided = run.count > 1;
+              sources.push_back({g, state, offset, run.numel()});
+              pieces.push_back({parameter_name(g, i), checkpoint_state_name(state), run.begin,
+                                run.numel(), strided ? run.run : 0, strided ? run.stride : 0});
+              offset += run.numel();
+            }
+          }
         }
       }
+    } catch (const std::exception& e) {
+      error = message_of(e);
     }
   }
+  agree_on_checkpoint_errors(error, "prepare checkpoint directory " + staging);
   at::NoGradGuard no_grad;
   auto read_source = [this, &sources](size_t i) {
     const Source& s = sources[i];
-    return read_state(s.group, s.state, s.segment.shard_offset, s.segment.numel);
+    return read_state(s.group, s.state, s.shard_offset, s.numel);
   };
 
   if (!options.async_save()) {
@@ -212,9 +248,8 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
     } catch (const std::exception& e) {
       error = message_of(e);
     }
-    checkpoint_detail::agree_on_errors(*comm_, error, "write checkpoint " + path, device());
-    const auto manifests =
-        checkpoint_detail::all_gather_strings(*comm_, manifest.dump(), device(), "checkpoint");
+    agree_on_checkpoint_errors(error, "write checkpoint " + path);
+    const auto manifests = all_gather_checkpoint_strings(manifest.dump(), "checkpoint");
     if (rank == 0) {
       try {
         json index = checkpoint_index_skeleton(options);
@@ -224,7 +259,7 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
         error = message_of(e);
       }
     }
-    checkpoint_detail::agree_on_errors(*comm_, error, "commit checkpoint " + path, device());
+    agree_on_checkpoint_errors(error, "commit checkpoint " + path);
     return;
   }
 

@@ -3,6 +3,7 @@
 // zero_optimizer_checkpoint.cpp and docs/design.md ("Checkpoints").
 #include "../checkpoint/checkpoint_detail.h"
 #include "../checkpoint/durable_file.h"
+#include "../checkpoint/element_runs.h"
 #include "zeroshard/crc32c.h"
 #include "zeroshard/safetensors.h"
 #include "zeroshard/zero_optimizer.h"
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <sstream>
@@ -78,9 +80,10 @@ json read_checkpoint_index(const std::string& path) {
   }
   TORCH_CHECK_VALUE(index.value("format", "") == "zeroshard-checkpoint", index_path,
                     " is not a zeroshard checkpoint index");
-  TORCH_CHECK_VALUE(index.value("format_version", 0) == kCheckpointFormatVersion, index_path,
-                    " has format version ", index.value("format_version", 0),
-                    "; this build reads version ", kCheckpointFormatVersion);
+  const int64_t version = index.value("format_version", 0);
+  TORCH_CHECK_VALUE(version >= 1 && version <= kCheckpointFormatVersion, index_path,
+                    " has format version ", version, "; this build reads versions 1 to ",
+                    kCheckpointFormatVersion);
   return index;
 }
 
@@ -135,20 +138,22 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     for (size_t g = 0; g < shards_.size(); ++g) {
       for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
         const std::string name = parameter_name(g, i);
-        const at::Tensor& param = param_groups_[g].params()[i];
+        // A tensor-parallel piece is matched by its unsplit shape.
+        const std::vector<int64_t> shape = tensor_parallel_split(g, i).full_shape;
         auto it = saved.find(name);
         const json* entry = it == saved.end() ? nullptr : it->second;
         if (entry == nullptr) {
           ++mismatch_count;
           if (mismatches.size() < 5) {
-            mismatches.push_back("'" + name + "' " + shape_string(param.sizes()) +
+            mismatches.push_back("'" + name + "' " + shape_string(at::IntArrayRef(shape)) +
                                  " is not in the checkpoint");
           }
-        } else if (entry->at("shape").get<std::vector<int64_t>>() != param.sizes().vec()) {
+        } else if (entry->at("shape").get<std::vector<int64_t>>() != shape) {
           ++mismatch_count;
           if (mismatches.size() < 5) {
-            mismatches.push_back("'" + name + "' has shape " + shape_string(param.sizes()) +
-                                 " here but " + shape_string(entry->at("shape")) + " saved");
+            mismatches.push_back("'" + name + "' has shape " +
+                                 shape_string(at::IntArrayRef(shape)) + " here but " +
+                                 shape_string(entry->at("shape")) + " saved");
           }
         }
         used[entry] = true;
@@ -224,12 +229,32 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
             continue;  // never stepped: the state is zero, as a fresh one
           }
           const int64_t begin = segment.param_offset, end = begin + segment.numel;
+          // Both sides as unsplit elements (element_runs.h): equal to the
+          // local ones without tensor parallelism.
+          const size_t i = segment.param_index;
+          const auto wanted_runs = checkpoint_detail::unsplit_runs(
+              tensor_parallel_split(g, i), param_groups_[g].params()[i].sizes(), begin,
+              segment.numel);
+          float* target = values.data_ptr<float>() + segment.shard_offset;
           int64_t covered = 0;
           for (const auto& piece : states.at(checkpoint_state_name(state))) {
-            const int64_t piece_begin = piece.at("begin"), numel = piece.at("numel");
-            const int64_t lo = std::max(begin, piece_begin);
-            const int64_t hi = std::min(end, piece_begin + numel);
-            if (lo >= hi) {
+            const int64_t numel = piece.at("numel");
+            checkpoint_detail::ElementRuns stored{piece.at("begin"), numel, numel, 1};
+            if (piece.contains("run")) {
+              stored.run = piece.at("run");
+              stored.stride = piece.at("stride");
+              TORCH_CHECK_VALUE(
+                  stored.run > 0 && numel % stored.run == 0 && stored.stride >= stored.run,
+                  "checkpoint ", path, " has an invalid piece of parameter '", name, "' (run ",
+                  stored.run, ", stride ", stored.stride, ", numel ", numel, ")");
+              stored.count = numel / stored.run;
+            }
+            std::vector<std::array<int64_t, 3>> shared;
+            checkpoint_detail::for_each_shared_range(wanted_runs, stored,
+                                                     [&](int64_t to, int64_t from, int64_t length) {
+                                                       shared.push_back({to, from, length});
+                                                     });
+            if (shared.empty()) {
               continue;
             }
             const size_t f = piece.at("file");
@@ -239,11 +264,13 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
             TORCH_CHECK_VALUE(crc32c(buffer.data_ptr(), static_cast<size_t>(numel) * 4) ==
                                   piece.at("crc32c").get<uint32_t>(),
                               "checksum mismatch in ", reader.path(), " for ",
-                              checkpoint_state_name(state), " of parameter '", name, "' (elements ",
-                              piece_begin, " to ", piece_begin + numel, "): the file is corrupt");
-            values.narrow(0, segment.shard_offset + lo - begin, hi - lo)
-                .copy_(buffer.narrow(0, lo - piece_begin, hi - lo));
-            covered += hi - lo;
+                              checkpoint_state_name(state), " of parameter '", name,
+                              "' (the piece from element ", stored.begin, "): the file is corrupt");
+            const float* source = buffer.data_ptr<float>();
+            for (const auto& [to, from, length] : shared) {
+              std::memcpy(target + to, source + from, static_cast<size_t>(length) * sizeof(float));
+              covered += length;
+            }
           }
           TORCH_CHECK_VALUE(covered == segment.numel, "checkpoint ", path, " covers ", covered,
                             " of elements ", begin, " to ", end, " of ",
@@ -261,8 +288,8 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     for (const auto& [name, record] : index.at("replicated_files").items()) {
       result.replicated_files[name] = verified_file(path, name, record);
     }
-    if (comm_->rank() < static_cast<int64_t>(index.at("rank_files").size())) {
-      for (const auto& [name, record] : index.at("rank_files")[comm_->rank()].items()) {
+    if (checkpoint_rank() < static_cast<int64_t>(index.at("rank_files").size())) {
+      for (const auto& [name, record] : index.at("rank_files")[checkpoint_rank()].items()) {
         result.rank_files[name] = verified_file(path, name, record);
       }
     }
@@ -279,12 +306,10 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       error = "another replica could not read it " + agreed;
     }
   }
-  checkpoint_detail::agree_on_errors(
-      *comm_, error, "load checkpoint " + path + "; nothing was loaded on any rank", device());
+  agree_on_checkpoint_errors(error, "load checkpoint " + path + "; nothing was loaded on any rank");
   // Every rank must have read the same checkpoint (a file system that is not
   // shared, or caches a replaced `latest`/index, would mix two).
-  const auto crcs =
-      checkpoint_detail::all_gather_strings(*comm_, index_crc, device(), "checkpoint_index");
+  const auto crcs = all_gather_checkpoint_strings(index_crc, "checkpoint_index");
   TORCH_CHECK_VALUE(
       std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
       "the ranks read different index.json files for checkpoint ", path,

@@ -7,12 +7,17 @@
 // drift apart).
 #include "zeroshard/zero_optimizer.h"
 
+#include "../checkpoint/checkpoint_detail.h"
+
 #include <c10/util/Exception.h>
+
+#include <nlohmann/json.hpp>
 
 namespace zeroshard {
 
 void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                        std::vector<std::vector<bool>> sharded) {
+                                        std::vector<std::vector<bool>> sharded,
+                                        std::vector<std::vector<TensorParallelSplit>> splits) {
   TORCH_CHECK_VALUE(group, "set_tensor_parallel needs the tensor-parallel process group");
   TORCH_CHECK_VALUE(sharded.size() == param_groups_.size(), "set_tensor_parallel: expected ",
                     param_groups_.size(), " lists of flags (one per parameter group), got ",
@@ -22,7 +27,33 @@ void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> g
                       "set_tensor_parallel: group ", g, " has ", param_groups_[g].params().size(),
                       " parameters but ", sharded[g].size(), " flags");
   }
+  TORCH_CHECK_VALUE(splits.empty() || splits.size() == sharded.size(),
+                    "set_tensor_parallel: expected no splits or one list per parameter group (",
+                    sharded.size(), "), got ", splits.size());
+  for (size_t g = 0; g < splits.size(); ++g) {
+    TORCH_CHECK_VALUE(splits[g].size() == sharded[g].size(), "set_tensor_parallel: group ", g,
+                      " has ", sharded[g].size(), " parameters but ", splits[g].size(), " splits");
+    for (size_t i = 0; i < splits[g].size(); ++i) {
+      const TensorParallelSplit& split = splits[g][i];
+      const at::IntArrayRef local = param_groups_[g].params()[i].sizes();
+      const auto dims = static_cast<int64_t>(local.size());
+      // dim -1 with sharded set: a tensor of this rank's own (an expert).
+      bool fits = split.full_shape.size() == local.size() && split.dim < dims &&
+                  (split.dim < 0 || sharded[g][i]);
+      for (int64_t d = 0; fits && d < dims; ++d) {
+        fits = d == split.dim ? split.start >= 0 && split.start + local[d] <= split.full_shape[d]
+                              : split.full_shape[d] == local[d];
+      }
+      TORCH_CHECK_VALUE(fits, "set_tensor_parallel: parameter ", i, " of group ", g, " has shape ",
+                        local, " but its split says dim ", split.dim, ", start ", split.start,
+                        ", unsplit shape ", at::IntArrayRef(split.full_shape),
+                        " (expected: dim -1 and the same shape for a whole tensor; for a piece, "
+                        "sharded, the unsplit shape equal but along dim, and start + size <= "
+                        "unsplit size)");
+    }
+  }
   tensor_parallel_sharded_ = std::move(sharded);
+  tensor_parallel_splits_ = std::move(splits);
   tensor_parallel_comm_ =
       group->getSize() > 1 ? std::make_unique<Communicator>(std::move(group)) : nullptr;
 }
@@ -51,6 +82,64 @@ void ZeroOptimizer::max_across_tensor_parallel(at::Tensor& tensor, const std::st
   if (tensor_parallel_comm_) {
     tensor_parallel_comm_->all_reduce_max(tensor, "tensor_parallel/" + tag);
   }
+}
+
+// ---- Checkpoints: every state is stored in its unsplit tensor's element
+// order, each piece written once (a copy by tensor-parallel rank 0), and the
+// files of every tensor-parallel rank go into one directory under one index.
+
+int64_t ZeroOptimizer::checkpoint_rank() const {
+  const int64_t tp_rank = tensor_parallel_comm_ ? tensor_parallel_comm_->rank() : 0;
+  return tp_rank * comm_->world_size() + comm_->rank();
+}
+
+int64_t ZeroOptimizer::checkpoint_writer_count() const {
+  return comm_->world_size() * (tensor_parallel_comm_ ? tensor_parallel_comm_->world_size() : 1);
+}
+
+TensorParallelSplit ZeroOptimizer::tensor_parallel_split(size_t g, size_t i) const {
+  if (!tensor_parallel_splits_.empty()) {
+    return tensor_parallel_splits_[g][i];
+  }
+  const bool sharded = !tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i];
+  TORCH_CHECK_VALUE(!sharded, "checkpoint of tensor-parallel parameter '", parameter_name(g, i),
+                    "': set_tensor_parallel was given no splits, so where its piece sits in the "
+                    "unsplit tensor is unknown; pass them (the Python layer does)");
+  return {-1, 0, param_groups_[g].params()[i].sizes().vec()};
+}
+
+bool ZeroOptimizer::writes_checkpoint_piece(size_t g, size_t i) const {
+  return !tensor_parallel_comm_ || tensor_parallel_comm_->rank() == 0 ||
+         (!tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i]);
+}
+
+std::vector<std::string> ZeroOptimizer::all_gather_checkpoint_strings(const std::string& mine,
+                                                                      const std::string& tag) {
+  std::vector<std::string> shard_group =
+      checkpoint_detail::all_gather_strings(*comm_, mine, device(), tag);
+  if (!tensor_parallel_comm_) {
+    return shard_group;
+  }
+  std::vector<std::string> all;
+  for (const std::string& each : checkpoint_detail::all_gather_strings(
+           *tensor_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
+           "tensor_parallel/" + tag)) {
+    for (auto& one : nlohmann::json::parse(each)) {
+      all.push_back(one.get<std::string>());
+    }
+  }
+  return all;
+}
+
+void ZeroOptimizer::agree_on_checkpoint_errors(const std::string& local_error,
+                                               const std::string& what) {
+  if (!tensor_parallel_comm_) {
+    checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());
+    return;
+  }
+  const std::string error = checkpoint_detail::combined_error(
+      all_gather_checkpoint_strings(local_error, "checkpoint_errors"));
+  TORCH_CHECK_VALUE(error.empty(), "could not ", what, " ", error);
 }
 
 }  // namespace zeroshard

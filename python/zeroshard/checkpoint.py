@@ -115,7 +115,15 @@ class _PieceReader:
         covered = 0
         for piece in param["states"].get(state, []):
             begin, count = piece["begin"], piece["numel"]
-            target = view[begin * 4 : (begin + count) * 4]
+            # A tensor-parallel piece split along a later dimension: runs of
+            # `run` elements `stride` apart in the unsplit tensor.
+            run = piece.get("run", count)
+            strided = run != count
+            if strided:
+                buffer = torch.empty(count, dtype=torch.float32)
+                target = buffer.numpy().view("uint8")
+            else:
+                target = view[begin * 4 : (begin + count) * 4]
             handle = self._file(piece["file"])
             handle.seek(piece["offset"])
             if handle.readinto(memoryview(target)) != count * 4:
@@ -123,8 +131,11 @@ class _PieceReader:
             if _C.crc32c(target) != piece["crc32c"]:
                 raise ValueError(
                     f"checksum mismatch in {handle.name} for {state} of parameter "
-                    f"{param['name']!r} (elements {begin} to {begin + count}): the file is corrupt"
+                    f"{param['name']!r} (the piece from element {begin}): the file is corrupt"
                 )
+            if strided:
+                rows = full.as_strided((count // run, run), (piece["stride"], 1), begin)
+                rows.copy_(buffer.view(-1, run))
             covered += count
         if covered != numel:
             raise ValueError(

@@ -134,11 +134,10 @@ class Engine:
         save or load, ``wait_for_checkpoint()`` or exit waits for it).
         Returns the checkpoint's path.
         """
-        self.optimizer._refuse_tensor_parallel_checkpoint()
         replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
         if client_state is not None:
             replicated_files["client_state.pt"] = _to_bytes(client_state)
-        rank = dist.get_rank(self.optimizer._process_group)
+        rank = self.optimizer._impl.checkpoint_rank()
         rank_files = {f"rng_state_{rank}.pt": _to_bytes(_python_rng_state())}
         path = str(
             self._impl.save_checkpoint(
@@ -180,7 +179,6 @@ class Engine:
         and reused while the DeepSpeed files are unchanged) and every rank
         loads that.
         """
-        self.optimizer._refuse_tensor_parallel_checkpoint()
         tag = self._deepspeed_tag(load_dir, tag)
         loaded = self._impl.load_checkpoint(
             os.fspath(load_dir),
@@ -194,7 +192,7 @@ class Engine:
         files = loaded["replicated_files"]
         if "buffers.pt" in files:
             _load_buffers(self.module, _from_bytes(files["buffers.pt"]))
-        rank = dist.get_rank(self.optimizer._process_group)
+        rank = self.optimizer._impl.checkpoint_rank()
         rng = loaded["rank_files"].get(f"rng_state_{rank}.pt")
         if rng is not None and not load_module_only:
             _set_python_rng_state(_from_bytes(rng))

@@ -328,6 +328,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             )
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gradient_handles = tp.attach(self, self._impl, stage)
+        self._expert_parallel = expert_parallel_group is not None
         if expert_parallel_group is not None:
             if tp.active:
                 raise ValueError(
@@ -337,7 +338,9 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             # Each rank's experts are other tensors: their norms add up over
             # the group, as the pieces of a tensor-parallel split do.
             self._impl.set_tensor_parallel(
-                expert_parallel_group, [[True] * len(g["params"]) for g in self.param_groups]
+                expert_parallel_group,
+                [[True] * len(g["params"]) for g in self.param_groups],
+                [[(-1, 0, list(p.shape)) for p in g["params"]] for g in self.param_groups],
             )
             # Expert gradients are reduced in step(), never from backward
             # hooks: which experts a rank's tokens reach differs between
@@ -456,11 +459,15 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         ``"group{g}.{i}"``), into ``path.tmp/``; once all writes succeeded the
         directory is renamed to ``path`` atomically. Loads at any world size,
         stage, bucket size, grouping or offload setting (``load_checkpoint``).
+        Tensor-parallel (DTensor) parameters are stored as unsplit tensors,
+        written by every tensor-parallel rank into the same directory: the
+        checkpoint loads at any tensor-parallel degree, or without TP, and
+        ``python -m zeroshard consolidate`` makes whole tensors of it.
         With ``async_save`` the state is copied to host memory during the call
         and written by a C++ thread while training goes on; the next save or
         load, ``wait_for_checkpoint()`` or exit waits for it.
         """
-        self._refuse_tensor_parallel_checkpoint()
+        self._refuse_expert_parallel_checkpoint()
         self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
@@ -480,17 +487,17 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         missing file raises ``ValueError`` on every rank before anything
         changes. With ``load_optimizer_states=False`` only the weights load.
         """
-        self._refuse_tensor_parallel_checkpoint()
+        self._refuse_expert_parallel_checkpoint()
         self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
         self._sync_hyperparameters()
 
-    def _refuse_tensor_parallel_checkpoint(self) -> None:
-        if self._tensor_parallel.active:
-            # Every tensor-parallel rank would write its pieces under the same
-            # names into the same directory.
+    def _refuse_expert_parallel_checkpoint(self) -> None:
+        if self._expert_parallel:
+            # Each expert-parallel rank holds other experts, which the index
+            # (built from one rank's parameters) would not list.
             raise NotImplementedError(
-                "zeroshard checkpoints of tensor-parallel (DTensor) parameters are not "
-                "supported yet; save full_state_dict() (full tensors) instead"
+                "checkpoints of an expert_parallel_group= optimizer are not supported yet; "
+                "save full_state_dict() of each expert-parallel rank instead"
             )
 
     def _sync_hyperparameters(self) -> None:

@@ -33,6 +33,32 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def _split_of(param: torch.Tensor) -> tuple[int, int, list[int]]:
+    """Where ``param``'s local piece sits in the unsplit tensor: (dim, start, shape).
+
+    What the C++ core's checkpoints need (``TensorParallelSplit``); dim -1
+    for a plain tensor or a ``Replicate`` copy.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return (-1, 0, list(param.shape))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shards = [pl for pl in param.placements if pl.is_shard()]
+    if not shards:
+        return (-1, 0, list(param.shape))
+    if len(shards) > 1 or type(shards[0]).__name__ != "Shard":
+        raise ValueError(
+            f"tensor-parallel parameter of shape {tuple(param.shape)} has placements "
+            f"{param.placements}; zeroshard takes Shard(dim) or Replicate on a 1-D mesh"
+        )
+    dim = shards[0].dim
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return (dim, int(offset[dim]), list(param.shape))
+
+
 class TensorParallelParameters:
     """The local tensors zeroshard uses in place of a model's DTensor parameters."""
 
@@ -73,6 +99,7 @@ class TensorParallelParameters:
             ]
             for group in param_groups
         ]
+        self.splits = [[_split_of(p) for p in group["params"]] for group in param_groups]
 
     @property
     def active(self) -> bool:
@@ -96,7 +123,7 @@ class TensorParallelParameters:
         """
         if not self.active:
             return []
-        impl.set_tensor_parallel(self.mesh.get_group(), self.sharded)
+        impl.set_tensor_parallel(self.mesh.get_group(), self.sharded, self.splits)
         # A weak reference: a hook holding the optimizer would keep it (and
         # its process groups) alive as long as the model.
         owner = weakref.ref(optimizer)

@@ -201,3 +201,29 @@ def _stage3_experts(rank: int, world_size: int) -> str:
 def test_stage3_with_expert_parallelism_is_refused_clearly() -> None:
     for message in run_ranks(2, _stage3_experts):
         assert "expert_parallel_group= at stage 3 is not supported yet" in message, message
+
+
+def _save_experts(rank: int, world_size: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    model = Net([2 * mesh["ep"].get_local_rank(), 2 * mesh["ep"].get_local_rank() + 1])
+    experts = zeroshard.ZeroOptimizer(
+        model.experts.parameters(),
+        stage=2,
+        device_mesh=mesh["edp"],
+        expert_parallel_group=mesh["ep"].get_group(),
+        gradient_divide_factor=world_size,
+    )
+    try:
+        experts.save_checkpoint(path)
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_checkpoint_of_an_expert_parallel_optimizer_is_refused_on_every_rank(tmp_path) -> None:
+    # It used to write both expert-parallel ranks' experts under the same names.
+    for message in run_ranks(WORLD, _save_experts, str(tmp_path / "ckpt")):
+        assert "expert_parallel_group= optimizer are not supported yet" in message, message
+    assert not (tmp_path / "ckpt").exists()

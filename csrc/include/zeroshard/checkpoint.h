@@ -23,7 +23,8 @@
 
 namespace zeroshard {
 
-constexpr int64_t kCheckpointFormatVersion = 1;
+// Version 2 added strided pieces (tensor parallelism); version 1 still loads.
+constexpr int64_t kCheckpointFormatVersion = 2;
 constexpr const char* kCheckpointIndexFile = "index.json";
 
 using CheckpointFiles = std::map<std::string, std::string>;  // file name -> bytes

@@ -29,6 +29,7 @@
 #include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/state_placement.h"
+#include "zeroshard/tensor_parallel_split.h"
 #include "zeroshard/zero_options.h"
 
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -145,8 +146,15 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // as clip_grad_norm_ on the unsplit model, and a non-finite gradient on
   // any rank of `group` skips the step on all of them. Collective over
   // `group` from then on: call it on every rank, before the first step.
+  // `splits` (one per parameter, as `sharded`) says where each piece sits in
+  // its unsplit tensor; checkpoints need it (they store unsplit tensors, so
+  // they load at any tensor-parallel degree or without TP).
   void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                           std::vector<std::vector<bool>> sharded);
+                           std::vector<std::vector<bool>> sharded,
+                           std::vector<std::vector<TensorParallelSplit>> splits = {});
+  // This rank's number among the ranks that write a checkpoint (the shard
+  // group times the tensor-parallel group): names its data and RNG files.
+  int64_t checkpoint_rank() const;
   // A gradient the caller moved into parameter (group, index)'s .grad from
   // where autograd put it, handled as the parameter's own hook would: for a
   // parameter that is not autograd's leaf itself (the Python layer passes a
@@ -336,6 +344,17 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Checkpoints: whether group `g` holds `name` now, and a range of it (fp32).
   bool has_state(size_t g, OptimizerStateName name) const;
   nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
+  // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
+  // where parameter (g, i) sits in its unsplit tensor; whether this rank
+  // writes it (a copy is written by tensor-parallel rank 0 only); how many
+  // ranks write; every writer's string in checkpoint_rank() order; an error
+  // agreed over the shard and tensor-parallel groups, raised on every rank.
+  TensorParallelSplit tensor_parallel_split(size_t g, size_t i) const;
+  bool writes_checkpoint_piece(size_t g, size_t i) const;
+  int64_t checkpoint_writer_count() const;
+  std::vector<std::string> all_gather_checkpoint_strings(const std::string& mine,
+                                                         const std::string& tag);
+  void agree_on_checkpoint_errors(const std::string& local_error, const std::string& what);
   void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
   // Joins an asynchronous save in flight; its error ("" if none).
   std::string finish_pending_checkpoint();
@@ -372,7 +391,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> replica_comm_;  // hybrid sharding only
   std::unique_ptr<Communicator> tensor_parallel_comm_;
-  std::vector<std::vector<bool>> tensor_parallel_sharded_;  // per group and parameter
+  std::vector<std::vector<bool>> tensor_parallel_sharded_;                // per group and parameter
+  std::vector<std::vector<TensorParallelSplit>> tensor_parallel_splits_;  // empty: not given
   std::unique_ptr<PartitionLayout> layout_;
   std::unique_ptr<StatePlacement> placement_;
   // With offload_optimizer: the master and moments of every group (then
