@@ -1,7 +1,8 @@
 // zeroshard._C's memory estimator: per-rank bytes by stage, DeepSpeed's
 // formulas, the recommendation and the activation estimate
-// (memory_estimator.h).
+// (memory_estimator.h), and the traffic estimate (traffic_estimator.h).
 #include "zeroshard/memory_estimator.h"
+#include "zeroshard/traffic_estimator.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -95,6 +96,43 @@ void bind_estimator(py::module_& m) {
       py::arg("layers"), py::arg("hidden"), py::arg("heads"), py::arg("vocab"),
       py::arg("sequence_length"), py::arg("micro_batch"), py::arg("bytes_per_value") = 2,
       py::arg("checkpointing") = false, py::arg("tensor_parallel_size") = 1);
+  m.def(
+      "estimate_traffic",
+      [](int64_t stage, double num_params, int64_t world_size, int64_t tensor_parallel_size,
+         int64_t pipeline_parallel_size, const std::string& precision, int64_t layers,
+         int64_t hidden, int64_t sequence_length, int64_t micro_batch, int64_t bytes_per_value,
+         bool checkpointing, int64_t micro_batches) {
+        const TrafficEstimate e =
+            zeroshard::estimate_traffic(stage,
+                                        EstimateOptions()
+                                            .num_params(num_params)
+                                            .world_size(world_size)
+                                            .tensor_parallel_size(tensor_parallel_size)
+                                            .pipeline_parallel_size(pipeline_parallel_size)
+                                            .precision(parse_precision(precision)),
+                                        TransformerShape()
+                                            .layers(layers)
+                                            .hidden(hidden)
+                                            .sequence_length(sequence_length)
+                                            .micro_batch(micro_batch)
+                                            .bytes_per_value(bytes_per_value)
+                                            .checkpointing(checkpointing),
+                                        micro_batches);
+        py::dict out;
+        out["stage"] = e.stage;
+        out["data_parallel_bytes"] = e.data_parallel_bytes;
+        out["tensor_parallel_bytes"] = e.tensor_parallel_bytes;
+        out["pipeline_parallel_bytes"] = e.pipeline_parallel_bytes;
+        out["total_bytes"] = e.total_bytes();
+        out["reduce_scatter_bytes"] = e.reduce_scatter_bytes;
+        out["all_gather_bytes"] = e.all_gather_bytes;
+        out["all_reduce_bytes"] = e.all_reduce_bytes;
+        return out;
+      },
+      py::arg("stage"), py::arg("num_params"), py::arg("world_size"),
+      py::arg("tensor_parallel_size"), py::arg("pipeline_parallel_size"), py::arg("precision"),
+      py::arg("layers"), py::arg("hidden"), py::arg("sequence_length"), py::arg("micro_batch"),
+      py::arg("bytes_per_value"), py::arg("checkpointing"), py::arg("micro_batches"));
   m.def(
       "deepspeed_estimate",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,

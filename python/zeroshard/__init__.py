@@ -7,7 +7,7 @@ idiomatic layer over it.
 from zeroshard.checkpoint import consolidate, consolidated_state_dict
 from zeroshard.clipping import clip_grad_norm_
 from zeroshard.engine import Engine, initialize
-from zeroshard.estimator import estimate, recommend
+from zeroshard.estimator import estimate, estimate_traffic, recommend
 from zeroshard.optimizer import ZeroOptimizer
 from zeroshard.teardown import release_pinned_default_groups
 
@@ -20,6 +20,7 @@ __all__ = [
     "consolidate",
     "consolidated_state_dict",
     "estimate",
+    "estimate_traffic",
     "initialize",
     "recommend",
 ]

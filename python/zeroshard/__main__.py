@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zeroshard.estimator import estimate, format_table, parse_count, plot, recommend
+from zeroshard.estimator import (
+    estimate,
+    estimate_traffic,
+    format_table,
+    parse_count,
+    plot,
+    recommend,
+)
 
 
 def _estimate_command(args: argparse.Namespace) -> int:
@@ -32,6 +39,19 @@ def _estimate_command(args: argparse.Namespace) -> int:
         f"GB (1e9 bytes) per rank unless per node"
     )
     print(format_table(rows))
+    traffic = estimate_traffic(
+        args.params,
+        world_size=args.world_size,
+        tensor_parallel_size=args.tensor_parallel,
+        pipeline_parallel_size=args.pipeline_parallel,
+        precision=args.precision,
+        layers=args.layers,
+        hidden=args.hidden,
+        sequence_length=args.sequence_length,
+        micro_batch=args.micro_batch,
+        micro_batches=args.micro_batches,
+    )
+    print("sent per rank per step, GB: " + "; ".join(_traffic_text(row) for row in traffic))
     if args.device_memory:
         advice = recommend(
             args.params,
@@ -54,6 +74,14 @@ def _estimate_command(args: argparse.Namespace) -> int:
         )
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _traffic_text(row: dict) -> str:
+    parts = [f"DP {row['data_parallel_bytes'] / 1e9:.3g}"]
+    for key, name in (("tensor_parallel_bytes", "TP"), ("pipeline_parallel_bytes", "PP")):
+        if row[key]:
+            parts.append(f"{name} {row[key] / 1e9:.3g}")
+    return f"stage {row['stage']} " + " + ".join(parts)
 
 
 def _consolidate_command(args: argparse.Namespace) -> int:
@@ -92,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         help="parameters of the largest gathered unit (stage 3 working set)",
     )
     est.add_argument("--device-memory", default="", help="e.g. 80GB: also recommend a config")
+    # The transformer's shape, for the TP and PP traffic figures.
+    est.add_argument("--layers", type=int, default=0)
+    est.add_argument("--hidden", type=int, default=0)
+    est.add_argument("--sequence-length", type=int, default=0)
+    est.add_argument("--micro-batch", type=int, default=0)
+    est.add_argument("--micro-batches", type=int, default=1, help="per step and rank")
     est.add_argument("--plot", default="", help="write a PNG of memory against ranks")
     con = commands.add_parser(
         "consolidate",

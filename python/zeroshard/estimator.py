@@ -193,6 +193,63 @@ def estimate(
     return rows
 
 
+def estimate_traffic(
+    num_params: float | str,
+    *,
+    world_size: int = 1,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    precision: str = "mixed16",
+    layers: int = 0,
+    hidden: int = 0,
+    sequence_length: int = 0,
+    micro_batch: int = 0,
+    bytes_per_value: int = 2,
+    checkpointing: bool = False,
+    micro_batches: int = 1,
+    stages: Sequence[int] = (0, 1, 2, 3),
+) -> list[dict[str, Any]]:
+    """Bytes one rank sends per optimizer step, per stage and per group.
+
+    ``data_parallel_bytes``: ZeRO's collectives over the data-parallel ranks
+    (2Ψ for stages 0-2, 3Ψ at stage 3, of the 1/(TP x PP) model slice a rank
+    holds, times (DP-1)/DP for ring collectives; at stage 3 parameters are
+    gathered in every micro-batch's forward and backward, gradients reduced
+    once a step; zeroshard's prefetch window keeps units the backward reuses
+    gathered, which moves less). ``tensor_parallel_bytes`` (needs the shape: ``layers``,
+    ``hidden``, ``sequence_length``, ``micro_batch``): two activation
+    all-reduces per layer forward, two backward, two more with
+    ``checkpointing``, per micro-batch. ``pipeline_parallel_bytes``: a
+    stage's activation sends forward and gradient sends back per micro-batch
+    (both ways for a stage in the middle). ``micro_batches``: per step and
+    rank. Also the data-parallel collectives' full sizes as ``comm_stats()``
+    counts them (``reduce_scatter_bytes``, ``all_gather_bytes``,
+    ``all_reduce_bytes``). See
+    ``zeroshard::estimate_traffic``.
+    """
+    psi = parse_count(num_params)
+    return [
+        dict(
+            _C.estimate_traffic(
+                stage,
+                psi,
+                int(world_size),
+                int(tensor_parallel_size),
+                int(pipeline_parallel_size),
+                precision,
+                int(layers),
+                int(hidden),
+                int(sequence_length),
+                int(micro_batch),
+                int(bytes_per_value),
+                bool(checkpointing),
+                int(micro_batches),
+            )
+        )
+        for stage in stages
+    ]
+
+
 def deepspeed_estimate(
     stage: int,
     num_params: float,

@@ -186,6 +186,13 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             whole data-parallel world and clip dense and expert optimizers
             together with :func:`zeroshard.clip_grad_norm_`. Its gradients
             are reduced in ``step()`` (they stay in ``.grad`` until then).
+            At stage 3 pass ``module=`` the model and make the MoE block one
+            unit (recognised by class name, else ``unit_classes=``): entering
+            it gathers all of this rank's experts, used or not, so every rank
+            of the expert-data-parallel group gathers alike.
+        ignored_params: stage 3: parameters of ``module`` another optimizer
+            holds (FSDP's name): the dense optimizer of a MoE model lists the
+            experts here. This optimizer's units leave them alone.
         fused: Adam/AdamW through ATen's fused kernel, as torch.optim's
             ``fused=True`` (same results as ``torch.optim.AdamW(fused=True)``;
             several times faster on CPU than the default path).
@@ -232,6 +239,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         failure_report_seconds: float = 3.0,
         gradient_divide_factor: float | None = None,
         expert_parallel_group: dist.ProcessGroup | None = None,
+        ignored_params: Iterable[torch.Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -259,22 +267,22 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
                 "stage 3 needs module=<the model>: its parameters are gathered by hooks on "
                 "the model's submodules"
             )
-        if stage == 3 and expert_parallel_group is not None:
+        if stage != 3 and (unit_classes or param_init_fn is not None or ignored_params):
             raise ValueError(
-                "expert_parallel_group= at stage 3 is not supported yet; use stage 1 or 2 "
-                "for the expert optimizer (or expert parallel size 1, where stage 3 "
-                "gathers a MoE block's experts as one unit)"
+                "unit_classes=, param_init_fn= and ignored_params= are stage 3 options; "
+                f"stage is {stage}"
             )
-        if stage != 3 and (unit_classes or param_init_fn is not None):
-            raise ValueError(
-                f"unit_classes= and param_init_fn= are stage 3 options; stage is {stage}"
-            )
+        ignored = {id(p) for p in ignored_params or ()}
         self._kind = kind
         self._stage = stage
         self._process_group = process_group
         self._replicate_group = groups.replicate
         self._module = module
-        units = plan_units(module, unit_classes) if stage == 3 and module is not None else []
+        units = (
+            self._plan_units(module, unit_classes, ignored, expert_parallel_group is not None)
+            if stage == 3 and module is not None
+            else []
+        )
         self._units = units
         # DTensor parameters (PyTorch TP): the core shards their local tensors.
         tp = TensorParallelParameters(self.param_groups)
@@ -352,11 +360,42 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             assert module is not None
             if any(p.is_meta for group in self.param_groups for p in group["params"]):
                 materialize(self._impl, module, self.param_groups, param_init_fn)
-                units = plan_units(module, unit_classes)  # now over the real parameters
+                # Now over the real parameters.
+                units = self._plan_units(
+                    module, unit_classes, ignored, expert_parallel_group is not None
+                )
                 self._units = units
             self._hook_handles = register_hooks(self._impl, units, module)
         if tp.active and any(p.is_meta for group in self.param_groups for p in group["params"]):
             raise ValueError("tensor-parallel (DTensor) models must be materialized first")
+
+    def _plan_units(
+        self,
+        module: torch.nn.Module,
+        unit_classes: Sequence[type[torch.nn.Module]],
+        ignored: set[int],
+        experts: bool,
+    ) -> list[Any]:
+        """Stage 3's units over this optimizer's parameters of ``module``.
+
+        A parameter of ``module`` this optimizer does not hold must be in
+        ``ignored_params`` (another optimizer's, such as the experts'), except
+        for an expert optimizer, which by definition holds only the experts.
+        """
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        if not experts:
+            stray = [
+                name
+                for name, p in module.named_parameters()
+                if id(p) not in mine and id(p) not in ignored
+            ]
+            if stray:
+                raise ValueError(
+                    f"stage 3: {len(stray)} parameters of module= are not in this optimizer, "
+                    f"first {stray[:5]}; pass every parameter of the model, or list the ones "
+                    "another optimizer holds (e.g. the experts') in ignored_params="
+                )
+        return plan_units(module, unit_classes, owned=mine)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         keys = _DEFAULTS[self._kind]

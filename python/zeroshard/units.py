@@ -100,7 +100,11 @@ def resolve_unit_classes(model: nn.Module, names: Sequence[str]) -> tuple[type[n
     return tuple(dict.fromkeys(present[name] for name in names))
 
 
-def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -> list[Unit]:
+def plan_units(
+    model: nn.Module,
+    unit_classes: Sequence[type[nn.Module]] = (),
+    owned: set[int] | None = None,
+) -> list[Unit]:
     """The units of ``model`` (the stage 3 wrap policy), in ``named_modules()`` order.
 
     Blocks are the instances of ``unit_classes`` or, when none are given, the
@@ -113,6 +117,10 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -
     gathered while the module runs. A parameter shared by several units (tied
     embeddings) is listed in each: it is stored with the first and gathered
     for all.
+
+    With ``owned`` (ids), units list only those parameters: the plan of one of
+    two optimizers sharing a model (dense and experts); a unit left with none
+    is dropped, so each optimizer gathers what it holds at the same modules.
     """
     classes = tuple(unit_classes)
     for cls in classes:
@@ -143,7 +151,8 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type[nn.Module]] = ()) -
             for child_name, child in reversed(list(module.named_children()))
         )
     for unit in units:
-        unit.params = list(dict.fromkeys(unit.params))  # dedupe, keep order
+        kept = (p for p in unit.params if owned is None or id(p) in owned)
+        unit.params = list(dict.fromkeys(kept))  # dedupe, keep order
     return [unit for unit in units if unit.params]
 
 

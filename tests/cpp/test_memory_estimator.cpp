@@ -1,4 +1,5 @@
 #include "zeroshard/memory_estimator.h"
+#include "zeroshard/traffic_estimator.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -157,6 +158,54 @@ TEST(MemoryEstimatorTest, RecommendsStageTwoBeforeThreeAndOffloadLast) {
   auto none = recommend_configuration(options, 1e6);
   EXPECT_FALSE(none.fits);
   EXPECT_NE(none.reason.find("nothing fits"), std::string::npos);
+}
+
+TEST(TrafficEstimatorTest, ZeroPaperVolumesOverTheDataParallelRanks) {
+  // ZeRO paper, section 7: stages 1 and 2 move what DDP's all-reduce moves
+  // (2Ψ per rank, ring), stage 3 1.5 times that.
+  auto options = EstimateOptions().num_params(7.5e9).world_size(64);
+  const double ddp = estimate_traffic(0, options).data_parallel_bytes;
+  EXPECT_NEAR(ddp, 2 * 63.0 / 64 * 7.5e9 * 2, 1e3);
+  EXPECT_DOUBLE_EQ(estimate_traffic(1, options).data_parallel_bytes, ddp);
+  EXPECT_DOUBLE_EQ(estimate_traffic(2, options).data_parallel_bytes, ddp);
+  EXPECT_DOUBLE_EQ(estimate_traffic(3, options).data_parallel_bytes, 1.5 * ddp);
+  // Stage 3 gathers again in every micro-batch; the gradients go once.
+  EXPECT_DOUBLE_EQ(estimate_traffic(3, options, {}, 4).data_parallel_bytes, 4.5 * ddp);
+  EXPECT_DOUBLE_EQ(estimate_traffic(2, options, {}, 4).data_parallel_bytes, ddp);
+  // fp32 communication doubles it; one rank sends nothing.
+  EXPECT_DOUBLE_EQ(estimate_traffic(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32))
+                       .data_parallel_bytes,
+                   2 * ddp);
+  EXPECT_EQ(estimate_traffic(3, EstimateOptions(options).world_size(1)).total_bytes(), 0);
+}
+
+TEST(TrafficEstimatorTest, TensorAndPipelineDegreesMoveActivationsNotParameters) {
+  // The seeds' 175B on 64 ranks as TP 8 x PP 4 x DP 2, GPT-3's shape
+  // (96 layers, hidden 12288, sequence 2048), micro-batch 1, 8 micro-batches.
+  auto options = EstimateOptions()
+                     .num_params(175e9)
+                     .world_size(64)
+                     .tensor_parallel_size(8)
+                     .pipeline_parallel_size(4);
+  auto shape = TransformerShape().layers(96).hidden(12288).sequence_length(2048).micro_batch(1);
+  const TrafficEstimate e = estimate_traffic(1, options, shape, 8);
+  const double activation = 2048.0 * 12288 * 2;  // one micro-batch at a layer boundary
+  // ZeRO over DP 2 on the 1/32 slice: half of 2Ψ/32.
+  EXPECT_NEAR(e.data_parallel_bytes, 175e9 / 32 * 2 * 2 * 0.5, 1);
+  // 24 layers here, 4 all-reduces each, 2 x 7/8 of the activation per all-reduce.
+  EXPECT_NEAR(e.tensor_parallel_bytes, 8 * 24 * 4 * 2 * 7.0 / 8 * activation, 1);
+  // A middle stage sends forward and back.
+  EXPECT_NEAR(e.pipeline_parallel_bytes, 8 * 2 * activation, 1);
+  // Recomputation adds the forward's two all-reduces again; PP 2 sends one way.
+  EXPECT_NEAR(estimate_traffic(1, options, TransformerShape(shape).checkpointing(true), 8)
+                      .tensor_parallel_bytes /
+                  e.tensor_parallel_bytes,
+              1.5, 1e-12);
+  EXPECT_NEAR(estimate_traffic(1, EstimateOptions(options).pipeline_parallel_size(2).world_size(32),
+                               shape, 8)
+                  .pipeline_parallel_bytes,
+              8 * activation, 1);
+  EXPECT_THROW(estimate_traffic(1, EstimateOptions(options).world_size(60), shape), c10::Error);
 }
 
 }  // namespace

@@ -115,6 +115,35 @@ def test_recommendation_counts_tensor_and_pipeline_degrees(capsys) -> None:
     assert split["reason"] in capsys.readouterr().out
 
 
+def test_cli_prints_traffic_per_group(capsys) -> None:
+    # GPT-3's shape as TP 8 x PP 4 x DP 2: activations dominate, not ZeRO.
+    args = ["estimate", "--params", "175B", "--world-size", "64", "--tensor-parallel", "8"]
+    args += ["--pipeline-parallel", "4", "--layers", "96", "--hidden", "12288"]
+    args += ["--sequence-length", "2048", "--micro-batch", "1", "--micro-batches", "8"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    rows = zeroshard.estimate_traffic(
+        "175B",
+        world_size=64,
+        tensor_parallel_size=8,
+        pipeline_parallel_size=4,
+        layers=96,
+        hidden=12288,
+        sequence_length=2048,
+        micro_batch=1,
+        micro_batches=8,
+    )
+    stage1 = rows[1]
+    assert stage1["tensor_parallel_bytes"] > stage1["data_parallel_bytes"] > 0
+    assert stage1["pipeline_parallel_bytes"] > 0
+    text = (
+        f"stage 1 DP {stage1['data_parallel_bytes'] / 1e9:.3g} + "
+        f"TP {stage1['tensor_parallel_bytes'] / 1e9:.3g} + "
+        f"PP {stage1['pipeline_parallel_bytes'] / 1e9:.3g}"
+    )
+    assert text in out, out
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
     reason="matplotlib is an optional extra; scripts/ensure_env.sh installs it",
@@ -186,3 +215,60 @@ def test_estimate_matches_what_zeroshard_allocates(world_size: int) -> None:
                 f"{row['measured']} B, estimated {estimated:.0f} B, {100 * error:.2f}% apart"
             )
             assert error <= 0.03
+
+
+def _measure_traffic(rank: int, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for stage in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = _Mlp(dtype)
+            # Stage 3 without the prefetch window, which would keep the units
+            # the backward reuses gathered (and move less than the theory).
+            stage3 = (
+                {
+                    "module": model,
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                }
+                if stage == 3
+                else {}
+            )
+            optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, **stage3)
+            x = torch.randn(8, 128, dtype=dtype)
+            for _ in range(2):
+                optimizer.reset_comm_stats()  # the second step is the one measured
+                optimizer.zero_grad()
+                model(x).float().pow(2).mean().backward()
+                optimizer.step()
+            out.append(
+                {
+                    "stage": stage,
+                    "precision": "fp32" if dtype == torch.float32 else "mixed16",
+                    "num_params": sum(p.numel() for p in model.parameters()),
+                    **optimizer.comm_stats(),
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_traffic_estimate_matches_what_zeroshard_sends(world_size: int) -> None:
+    # comm_stats() counts each collective's full size; the estimate says the
+    # same in those terms. What it leaves out: padding to the shard size and
+    # the step's agreements (a few bytes each).
+    for row in unwrap(run_ranks(world_size, _measure_traffic))[0]:
+        expected = zeroshard.estimate_traffic(
+            row["num_params"],
+            world_size=world_size,
+            precision=row["precision"],
+            stages=(row["stage"],),
+        )[0]
+        for kind in ("reduce_scatter", "all_gather"):
+            measured, estimated = row[f"{kind}_bytes"], expected[f"{kind}_bytes"]
+            error = abs(measured - estimated) / estimated
+            print(
+                f"world {world_size} stage {row['stage']} {row['precision']} {kind}: measured "
+                f"{measured} B, estimated {estimated:.0f} B, {100 * error:.2f}% apart"
+            )
+            assert error <= 0.01, (row, expected)

@@ -1,4 +1,4 @@
-"""Mixture of experts with expert parallelism on 4 CPU ranks, ZeRO stages 1 and 2.
+"""Mixture of experts with expert parallelism on 4 CPU ranks, ZeRO stages 1-3.
 
 Four experts, top-1 routing that depends on the data. With expert parallel
 size 2, each rank holds 2 experts and tokens travel to their expert's rank
@@ -6,7 +6,9 @@ and back by all-to-all (with autograd); expert parameters are sharded over
 their expert-data-parallel group (the ranks holding the same experts), dense
 ones over all 4 ranks. Some experts get no token on some ranks (checked).
 The result equals single-process ``torch.optim`` on the whole model and the
-global batch, with the global-norm clipping of both optimizers together.
+global batch, with the global-norm clipping of both optimizers together. At
+stage 3 both optimizers hook the model, and the experts' unit is the block
+that routes (here the whole ``Net``), gathered on every rank.
 """
 
 from __future__ import annotations
@@ -138,8 +140,18 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
     model = Net(list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank)))
     expert_params = list(model.experts.parameters())
     expert_ids = {id(p) for p in expert_params}
+    # Stage 3: both optimizers hook the model; the dense one leaves the
+    # experts to the other, whose one unit is the MoE block (here the whole
+    # Net), so entering it gathers every local expert, routed to or not.
+    dense_only = {"module": model, "ignored_params": expert_params} if stage == 3 else {}
+    experts_only = {"module": model, "unit_classes": (Net,)} if stage == 3 else {}
     dense = zeroshard.ZeroOptimizer(
-        [p for p in model.parameters() if id(p) not in expert_ids], "adamw", stage=stage, lr=LR
+        [p for p in model.parameters() if id(p) not in expert_ids],
+        "adamw",
+        stage=stage,
+        lr=LR,
+        stage3_param_persistence_threshold=0,
+        **dense_only,
     )
     experts = zeroshard.ZeroOptimizer(
         expert_params,
@@ -149,6 +161,8 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
         device_mesh=mesh["edp"],
         expert_parallel_group=mesh["ep"].get_group(),
         gradient_divide_factor=WORLD,
+        stage3_param_persistence_threshold=0,
+        **experts_only,
     )
     ep_group = mesh["ep"].get_group() if ep > 1 else None
     per = TOKENS // WORLD
@@ -164,10 +178,13 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
         zeroshard.clip_grad_norm_([dense, experts], CLIP)
         dense.step()
         experts.step()
-    return {"params": _named(model), "used": used_per_step, "local": model.expert_ids}
+    with dense.gathered_parameters(), experts.gathered_parameters():
+        params = _named(model)
+    units = (dense.units, experts.units) if stage == 3 else None
+    return {"params": params, "used": used_per_step, "local": model.expert_ids, "units": units}
 
 
-@pytest.mark.parametrize(("stage", "ep"), [(1, 2), (2, 2), (2, 1)])
+@pytest.mark.parametrize(("stage", "ep"), [(1, 2), (2, 2), (2, 1), (3, 2), (3, 1)])
 def test_moe_with_expert_parallelism_matches_torch_optim(stage: int, ep: int) -> None:
     results = unwrap(run_ranks(WORLD, _train, stage, ep))
     expected = reference()
@@ -181,26 +198,27 @@ def test_moe_with_expert_parallelism_matches_torch_optim(stage: int, ep: int) ->
         print(f"stage {stage} ep {ep} rank {rank}: experts {r['local']}, max abs diff {worst:.3e}")
     # The routing left some local experts without a token on some steps.
     assert idle > 0
+    if stage == 3:
+        assert results[0]["units"] == (["inp", "gate", "out"], ["<root>"]), results[0]["units"]
 
 
-def _stage3_experts(rank: int, world_size: int) -> str:
+def _stray(rank: int, world_size: int) -> str:
     model = Net([0, 1])
     try:
         zeroshard.ZeroOptimizer(
-            model.experts.parameters(),
+            [p for n, p in model.named_parameters() if not n.startswith("experts")],
             stage=3,
-            module=model.experts,
-            expert_parallel_group=dist.group.WORLD,
-            gradient_divide_factor=world_size,
+            module=model,
         )
     except ValueError as error:
         return str(error)
     return "no error"
 
 
-def test_stage3_with_expert_parallelism_is_refused_clearly() -> None:
-    for message in run_ranks(2, _stage3_experts):
-        assert "expert_parallel_group= at stage 3 is not supported yet" in message, message
+def test_stage3_parameters_held_by_no_optimizer_are_an_error_naming_them() -> None:
+    for message in run_ranks(2, _stray):
+        assert "8 parameters of module= are not in this optimizer" in message, message
+        assert "'experts.0.0.weight'" in message and "ignored_params=" in message, message
 
 
 def _save_experts(rank: int, world_size: int, path: str) -> str:

@@ -372,6 +372,80 @@ def test_engine_checkpoint_with_a_tensor_parallel_model(tmp_path) -> None:
             assert diff <= TOLERANCE, (rank, diff)
 
 
+class _MegatronLayer(nn.Module):
+    """One transformer layer as Megatron splits it: a fused QKV projection
+    (column-parallel, each rank's rows its heads' q, k and v), the attention
+    output and the MLP's second linear row-parallel."""
+
+    def __init__(self, width: int = WIDTH, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, -1, 3 * self.head_dim).chunk(3, dim=-1)
+        y = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _tp_collectives(rank: int, world_size: int, fused: bool) -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+    if fused:
+        torch.manual_seed(0)
+        model = _MegatronLayer()
+        plan = {"qkv": ColwiseParallel(), "out": RowwiseParallel()}
+        plan |= {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+    else:
+        model = _parallelized(mesh)
+    x = batch(0)[0].requires_grad_(True)  # as a later layer's input does
+    with CommDebugMode() as mode:
+        model(x).pow(2).mean().backward()
+    return {str(op): count for op, count in mode.get_comm_counts().items()}
+
+
+def test_traffic_estimate_counts_the_all_reduces_pytorch_tp_issues() -> None:
+    # The estimator's model of Megatron-style TP: per layer, 2 activation
+    # all-reduces forward (attention output, MLP output) and 2 backward
+    # (the inputs of the column-parallel QKV and MLP projections), each of
+    # batch x sequence x width values. PyTorch's own TP issues exactly these
+    # for a layer with a fused QKV projection (counted with CommDebugMode).
+    counts = unwrap(run_ranks(TP, _tp_collectives, True))[0]
+    assert counts == {"c10d_functional.all_reduce": 4}, counts
+    estimate = zeroshard.estimate_traffic(
+        num_params=0,  # the data-parallel part is not at issue here
+        world_size=TP,
+        tensor_parallel_size=TP,
+        layers=1,
+        hidden=WIDTH,
+        sequence_length=SEQ,
+        micro_batch=BATCH,
+        bytes_per_value=4,
+        stages=(1,),
+    )[0]
+    ring = 2 * (TP - 1) / TP
+    assert estimate["tensor_parallel_bytes"] == 4 * ring * BATCH * SEQ * WIDTH * 4
+    # Separate q, k and v projections (this file's Net) cost one backward
+    # all-reduce each: 6, which the estimate does not count.
+    separate = unwrap(run_ranks(TP, _tp_collectives, False))[0]
+    assert separate == {"c10d_functional.all_reduce": 6}, separate
+
+
 def _train_hybrid(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 

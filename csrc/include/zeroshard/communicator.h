@@ -40,7 +40,8 @@ enum class CollectiveKind { kNone, kAllReduce, kReduceScatter, kAllGather, kBroa
 
 const char* collective_kind_name(CollectiveKind kind);
 
-// Bytes handed to collectives, by kind: the input size of each call.
+// Bytes handed to collectives, by kind: each call's full size (a
+// reduce-scatter's input, an all-gather's output).
 struct CommStats {
   int64_t all_reduce_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
