@@ -177,6 +177,40 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   return all;
 }
 
+std::string encode_files(const CheckpointFiles& files) {
+  std::string out;
+  auto append = [&out](const std::string& text) {
+    const uint64_t size = text.size();
+    out.append(reinterpret_cast<const char*>(&size), sizeof(size));
+    out.append(text);
+  };
+  for (const auto& [name, content] : files) {
+    append(name);
+    append(content);
+  }
+  return out;
+}
+
+CheckpointFiles decode_files(const std::string& bytes) {
+  CheckpointFiles files;
+  size_t at = 0;
+  auto next = [&]() {
+    uint64_t size = 0;
+    TORCH_CHECK(at + sizeof(size) <= bytes.size(), "decode_files: truncated input");
+    std::memcpy(&size, bytes.data() + at, sizeof(size));
+    at += sizeof(size);
+    TORCH_CHECK(at + size <= bytes.size(), "decode_files: truncated input");
+    std::string text = bytes.substr(at, size);
+    at += size;
+    return text;
+  };
+  while (at < bytes.size()) {
+    std::string name = next();
+    files[name] = next();
+  }
+  return files;
+}
+
 std::string combined_error(const std::vector<std::string>& errors) {
   const auto failed =
       std::count_if(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });

@@ -92,6 +92,11 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
                                  const std::string& staging, const std::string& path,
                                  const CheckpointSaveOptions& options);
 
+// Small files as one byte string and back (length-prefixed, binary-safe), to
+// send them through all_gather_strings.
+std::string encode_files(const CheckpointFiles& files);
+CheckpointFiles decode_files(const std::string& bytes);
+
 // The message agree_on_errors raises, from every rank's error ("" = none).
 std::string combined_error(const std::vector<std::string>& errors);
 

@@ -288,8 +288,13 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     for (const auto& [name, record] : index.at("replicated_files").items()) {
       result.replicated_files[name] = verified_file(path, name, record);
     }
-    if (checkpoint_rank() < static_cast<int64_t>(index.at("rank_files").size())) {
-      for (const auto& [name, record] : index.at("rank_files")[checkpoint_rank()].items()) {
+    // The writer that saved files under this rank's number: that rank, or,
+    // for a later replica's rank, its first-replica counterpart (rank k of
+    // replica r is number r x writers + k). Other numbers find none there.
+    const auto saved_writers = static_cast<int64_t>(index.at("rank_files").size());
+    if (saved_writers > 0) {
+      const int64_t writer = checkpoint_rank() % saved_writers;
+      for (const auto& [name, record] : index.at("rank_files")[writer].items()) {
         result.rank_files[name] = verified_file(path, name, record);
       }
     }

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <vector>
 
 namespace zeroshard {
 
@@ -86,11 +87,25 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   TORCH_CHECK_VALUE(!options.async_save(),
                     "async_save with hybrid sharding is not supported yet; save synchronously");
   // Replicas hold the same shards: the first one writes them, and the others
-  // learn its outcome, so every rank returns or raises alike.
+  // learn its outcome, so every rank returns or raises alike. Each rank's own
+  // files (its RNG states) travel to its first-replica counterpart, which
+  // writes them with its own, so every rank resumes its own random streams.
+  const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
+      *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
+      "replicas/checkpoint_rank_files");
   std::string error;
   if (replica_comm_->rank() == 0) {
     try {
-      save_checkpoint_shards(path, options);
+      CheckpointSaveOptions with_replicas = options;
+      for (size_t r = 1; r < replica_files.size(); ++r) {
+        for (auto& [name, content] : checkpoint_detail::decode_files(replica_files[r])) {
+          TORCH_CHECK_VALUE(with_replicas.rank_files().count(name) == 0, "rank file '", name,
+                            "' is given by two replicas; rank file names must differ between "
+                            "ranks (name them by checkpoint_rank())");
+          with_replicas.rank_files()[name] = std::move(content);
+        }
+      }
+      save_checkpoint_shards(path, with_replicas);
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();
     } catch (const std::exception& e) {

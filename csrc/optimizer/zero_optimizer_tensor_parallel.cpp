@@ -89,8 +89,11 @@ void ZeroOptimizer::max_across_tensor_parallel(at::Tensor& tensor, const std::st
 // files of every tensor-parallel rank go into one directory under one index.
 
 int64_t ZeroOptimizer::checkpoint_rank() const {
+  // Replica 0's ranks are the writers, numbered 0 .. writers - 1; the other
+  // replicas' ranks follow (they name RNG files, never data files).
   const int64_t tp_rank = tensor_parallel_comm_ ? tensor_parallel_comm_->rank() : 0;
-  return tp_rank * comm_->world_size() + comm_->rank();
+  const int64_t replica = replica_comm_ ? replica_comm_->rank() : 0;
+  return replica * checkpoint_writer_count() + tp_rank * comm_->world_size() + comm_->rank();
 }
 
 int64_t ZeroOptimizer::checkpoint_writer_count() const {

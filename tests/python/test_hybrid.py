@@ -205,6 +205,43 @@ def _engine(rank: int, world_size: int, hpz: int) -> dict[str, Any]:
     return {"params": params, "shard_world": optimizer._impl.world_size}
 
 
+def _engine_rng(rank: int, world_size: int, path: str, resume: bool) -> dict[str, Any]:
+    import random
+
+    model = make_model(seed=0)
+    config = {
+        "train_micro_batch_size_per_gpu": 12 // world_size,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 2, "zero_hpz_partition_size": SHARD},
+    }
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+    if resume:
+        torch.manual_seed(12345)  # the load must replace this
+        random.seed(12345)
+        engine.load_checkpoint(path)
+    else:
+        torch.manual_seed(100 + rank)  # every rank its own streams, as with dropout
+        random.seed(100 + rank)
+        engine.backward(_loss(engine, 0, rank, world_size))
+        engine.step()
+        engine.save_checkpoint(path)
+    return {"torch": torch.rand(3), "python": random.random()}
+
+
+def test_every_replica_resumes_its_own_random_streams(tmp_path) -> None:
+    # Only the first replica writes data files, but every rank's RNG states
+    # reach the checkpoint (through its first-replica counterpart).
+    saved = unwrap(run_ranks(WORLD, _engine_rng, str(tmp_path), False))
+    resumed = unwrap(run_ranks(WORLD, _engine_rng, str(tmp_path), True))
+    for rank in range(WORLD):
+        assert torch.equal(resumed[rank]["torch"], saved[rank]["torch"]), rank
+        assert resumed[rank]["python"] == saved[rank]["python"], rank
+    assert len({float(r["torch"][0]) for r in saved}) == WORLD  # four streams, not two
+    names = {p.name for p in (tmp_path / "global_step1").iterdir()}
+    assert {f"rng_state_{r}.pt" for r in range(WORLD)} <= names, names
+    assert {f"rng_cpu_{r}.bin" for r in range(WORLD)} <= names, names
+
+
 def test_engine_zero_hpz_partition_size_is_hybrid_sharding() -> None:
     results = unwrap(run_ranks(WORLD, _engine, SHARD))
     expected = reference()

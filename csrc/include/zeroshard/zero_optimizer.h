@@ -152,8 +152,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
                            std::vector<std::vector<bool>> sharded,
                            std::vector<std::vector<TensorParallelSplit>> splits = {});
-  // This rank's number among the ranks that write a checkpoint (the shard
-  // group times the tensor-parallel group): names its data and RNG files.
+  // This rank's number in checkpoints: among the ranks that write one (the
+  // first replica's shard group times the tensor-parallel group) it names
+  // the data file; the other replicas' ranks follow. Names RNG files.
   int64_t checkpoint_rank() const;
   // A gradient the caller moved into parameter (group, index)'s .grad from
   // where autograd put it, handled as the parameter's own hook would: for a
