@@ -383,6 +383,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("group"), py::arg("sharded"), py::arg("splits"),
           "splits: per group, per parameter (dim, start, unsplit shape); dim -1 for a copy.")
       .def("checkpoint_rank", &ZeroOptimizer::checkpoint_rank)
+      .def("skip_next_step", &ZeroOptimizer::skip_next_step)
       .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("retired_work_count",

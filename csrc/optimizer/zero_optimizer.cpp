@@ -393,6 +393,8 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   finish_gradient_reduction();
   bool overflow = false;
   const auto has_grad = global_grad_presence(&overflow);
+  overflow = overflow || skip_requested_;
+  skip_requested_ = false;
   last_step_skipped_ = overflow;
   if (overflow) {
     // Every rank saw the flag: nothing is updated anywhere.

@@ -337,6 +337,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gradient_handles = tp.attach(self, self._impl, stage)
         self._expert_parallel = expert_parallel_group is not None
+        self._skip_nonfinite_steps = bool(skip_nonfinite_steps)
         if expert_parallel_group is not None:
             if tp.active:
                 raise ValueError(

@@ -107,10 +107,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(TOKENS, D, generator=g) * 2, torch.randn(TOKENS, C, generator=g)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(skip: int | None = None) -> dict[str, torch.Tensor]:
     model = Net(list(range(EXPERTS)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(STEPS):
+        if step == skip:
+            continue
         x, y = batch(step)
         optimizer.zero_grad()
         out, _ = model(x)
@@ -131,7 +133,9 @@ def _named(model: Net) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
+def _train(
+    rank: int, world_size: int, stage: int, ep: int, inf_at: int | None = None
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD // ep, ep), mesh_dim_names=("edp", "ep"))
@@ -151,6 +155,7 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
         stage=stage,
         lr=LR,
         stage3_param_persistence_threshold=0,
+        skip_nonfinite_steps=inf_at is not None,
         **dense_only,
     )
     experts = zeroshard.ZeroOptimizer(
@@ -162,11 +167,12 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
         expert_parallel_group=mesh["ep"].get_group(),
         gradient_divide_factor=WORLD,
         stage3_param_persistence_threshold=0,
+        skip_nonfinite_steps=inf_at is not None,
         **experts_only,
     )
     ep_group = mesh["ep"].get_group() if ep > 1 else None
     per = TOKENS // WORLD
-    used_per_step = []
+    used_per_step, skipped = [], []
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
@@ -175,13 +181,22 @@ def _train(rank: int, world_size: int, stage: int, ep: int) -> dict[str, Any]:
         out, used = model(x, ep_group)
         used_per_step.append(used)
         (out - y).pow(2).mean().backward()
+        if step == inf_at and rank == 0:  # one expert, one rank
+            next(p for p in expert_params if p.grad is not None).grad.fill_(float("inf"))
         zeroshard.clip_grad_norm_([dense, experts], CLIP)
         dense.step()
         experts.step()
+        skipped.append((dense.last_step_skipped(), experts.last_step_skipped()))
     with dense.gathered_parameters(), experts.gathered_parameters():
         params = _named(model)
     units = (dense.units, experts.units) if stage == 3 else None
-    return {"params": params, "used": used_per_step, "local": model.expert_ids, "units": units}
+    return {
+        "params": params,
+        "used": used_per_step,
+        "local": model.expert_ids,
+        "units": units,
+        "skipped": skipped,
+    }
 
 
 @pytest.mark.parametrize(("stage", "ep"), [(1, 2), (2, 2), (2, 1), (3, 2), (3, 1)])
@@ -200,6 +215,21 @@ def test_moe_with_expert_parallelism_matches_torch_optim(stage: int, ep: int) ->
     assert idle > 0
     if stage == 3:
         assert results[0]["units"] == (["inp", "gate", "out"], ["<root>"]), results[0]["units"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_non_finite_expert_gradient_skips_both_optimizers_together(stage: int) -> None:
+    # An inf in one expert's gradient on rank 0 at step 2: the joint norm is
+    # inf on every rank, so the dense optimizer skips with the experts (it
+    # used to step with its gradients scaled by 0), equal to torch.optim
+    # without step 2.
+    results = unwrap(run_ranks(WORLD, _train, stage, 2, 2))
+    expected = reference(skip=2)
+    for rank, r in enumerate(results):
+        assert r["skipped"] == [(False, False)] * 2 + [(True, True)] + [(False, False)] * 3, r
+        worst = max((v - expected[n]).abs().max().item() for n, v in r["params"].items())
+        print(f"stage {stage} rank {rank}: step 2 skipped by both, max abs diff {worst:.3e}")
+        assert worst <= TOLERANCE, (rank, worst)
 
 
 def _stray(rank: int, world_size: int) -> str:

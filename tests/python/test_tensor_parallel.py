@@ -493,3 +493,90 @@ def test_tp2_inside_hybrid_2x2_matches_torch_optim_on_the_unsplit_model(stage: i
             compared += 1
     # full_state_dict(rank=0): shard rank 0 of each replica, on both TP ranks.
     assert compared == 4, compared
+
+
+class _SequenceParallelNet(nn.Module):
+    """A LayerNorm under sequence parallelism, between TP linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 10)
+        self.down = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+_SP_SEQ = 4  # the sequence splits evenly over the TP ranks
+
+
+def _sp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(900 + step)
+    return torch.randn(BATCH, _SP_SEQ, WIDTH, generator=g), torch.randn(
+        BATCH, _SP_SEQ, 3, generator=g
+    )
+
+
+def _sequence_parallel(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _SequenceParallelNet()
+    plan = {
+        "norm": SequenceParallel(),  # weight and bias Replicate; gradients Partial
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh["tp"], plan)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=stage,
+        device_mesh=mesh["dp"],
+        module=model,
+        max_norm=CLIP,
+        stage3_param_persistence_threshold=0,
+        lr=LR,
+    )
+    per, part = BATCH // DP, _SP_SEQ // TP
+    tp_rank = mesh["tp"].get_local_rank()
+    for step in range(STEPS):
+        x, y = _sp_batch(step)
+        x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        # Sequence parallelism takes each TP rank's part of the sequence.
+        x = x[:, tp_rank * part : (tp_rank + 1) * part]
+        optimizer.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        optimizer.step()
+    return {"full": optimizer.full_state_dict(rank=0), "dp_rank": dp_rank}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sequence_parallel_norm_gradients_are_summed_over_tp(stage: int) -> None:
+    # SequenceParallel gives the LayerNorm's replicated weight a Partial
+    # gradient on each TP rank (its part of the sequence); the hook must sum
+    # it over the TP group before ZeRO reduces it over DP.
+    model = _SequenceParallelNet()
+    reference_optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _sp_batch(step)
+        reference_optimizer.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        reference_optimizer.step()
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, r in enumerate(unwrap(run_ranks(WORLD, _sequence_parallel, stage))):
+        if r["dp_rank"] == 0:
+            diff = _max_diff(r["full"], expected)
+            print(f"stage {stage} rank {rank}: max abs diff {diff:.3e}")
+            assert diff <= TOLERANCE, (rank, diff)

@@ -113,6 +113,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Whether the last step() found non-finite gradients (skip_nonfinite_steps)
   // and left every parameter and state unchanged; and how many did so far.
   bool last_step_skipped() const { return last_step_skipped_; }
+  // The next step() skips as for non-finite gradients, whatever it finds:
+  // for a decision taken over several optimizers (zeroshard.clip_grad_norm_
+  // found their joint norm non-finite), so all skip together. Every rank
+  // must call it alike.
+  void skip_next_step() { skip_requested_ = true; }
   int64_t skipped_steps() const { return skipped_steps_; }
 
   // While false (stage 2), backward passes leave gradients accumulating in
@@ -436,6 +441,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   bool gradients_reduced_ = false;               // shards hold the averaged gradient
   double loss_scale_ = 1.0;
   bool last_step_skipped_ = false;
+  bool skip_requested_ = false;
   int64_t skipped_steps_ = 0;
   bool gradient_sync_ = true;
   bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
