@@ -95,6 +95,15 @@ void merge_manifests(json& index, const std::vector<std::string>& manifests) {
   }
   for (size_t r = 0; r < manifests.size(); ++r) {
     const json theirs = json::parse(manifests[r]);
+    // Parameters rank 0 does not hold (another expert-parallel rank's
+    // experts) join the index and their group's list.
+    for (const auto& param : theirs.value("params", json::array())) {
+      const std::string& name = param.at("name").get_ref<const std::string&>();
+      if (position.emplace(name, index["params"].size()).second) {
+        index["params"].push_back(param);
+        index["groups"][param.at("group").get<size_t>()]["params"].push_back(name);
+      }
+    }
     index["files"].push_back({{"name", theirs.at("file")}, {"bytes", theirs.at("bytes")}});
     index["rank_files"].push_back(theirs.at("rank_files"));
     for (const auto& piece : theirs.at("pieces")) {

@@ -244,6 +244,11 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
     try {
       manifest = checkpoint_detail::write_rank_file(staging, rank, world, pieces, read_source,
                                                     options.rank_files());
+      if (tensor_parallel_comm_) {
+        // Expert-parallel ranks hold other experts: each lists its own
+        // parameters, and the index is their union.
+        manifest["params"] = checkpoint_index_skeleton(options).at("params");
+      }
       checkpoint_detail::maybe_inject_fault("after_rank_file", rank);
     } catch (const std::exception& e) {
       error = message_of(e);

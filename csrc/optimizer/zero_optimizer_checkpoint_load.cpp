@@ -161,7 +161,9 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       }
     }
     for (const auto& param : index.at("params")) {
-      if (!used.count(&param)) {
+      // Under tensor/expert parallelism another rank may hold it (its
+      // experts): checked over every rank once all have read the index.
+      if (!used.count(&param) && !tensor_parallel_comm_) {
         ++mismatch_count;
         if (mismatches.size() < 5) {
           mismatches.push_back("saved '" + param.at("name").get<std::string>() + "' " +
@@ -193,12 +195,20 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     // Hyper-parameters follow the saved groups when the grouping is the same;
     // then they, not the current ones, say which states exist (amsgrad,
     // momentum). Applied only after every rank agreed.
+    // (Every parameter of group g saved in group g: under expert parallelism
+    // a saved group also lists the other ranks' experts.)
     const json& groups = index.at("groups");
     bool same_grouping = with_state && groups.size() == param_groups_.size();
     for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
-      same_grouping = groups[g].at("params").size() == param_groups_[g].params().size();
+      std::unordered_map<std::string, bool> saved_names;
+      for (const auto& name : groups[g].at("params")) {
+        saved_names[name.get<std::string>()] = true;
+      }
+      same_grouping = tensor_parallel_comm_
+                          ? saved_names.size() >= param_groups_[g].params().size()
+                          : groups[g].at("params").size() == param_groups_[g].params().size();
       for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
-        same_grouping = groups[g].at("params")[i].get<std::string>() == parameter_name(g, i);
+        same_grouping = saved_names.count(parameter_name(g, i)) > 0;
       }
     }
     for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
@@ -312,6 +322,33 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     }
   }
   agree_on_checkpoint_errors(error, "load checkpoint " + path + "; nothing was loaded on any rank");
+  if (tensor_parallel_comm_) {
+    // Every saved parameter must be held by some rank (the check the
+    // matching above leaves to here): the same verdict on every rank.
+    std::vector<std::string> held;
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+        held.push_back(parameter_name(g, i));
+      }
+    }
+    std::unordered_map<std::string, bool> anywhere;
+    for (const std::string& each :
+         all_gather_checkpoint_strings(nlohmann::json(held).dump(), "checkpoint_held")) {
+      for (const auto& name : json::parse(each)) {
+        anywhere[name.get<std::string>()] = true;
+      }
+    }
+    std::vector<std::string> missing;
+    for (const auto& param : result.index.at("params")) {
+      if (!anywhere.count(param.at("name").get<std::string>())) {
+        missing.push_back(param.at("name").get<std::string>());
+      }
+    }
+    TORCH_CHECK_VALUE(missing.empty(), "checkpoint ", path,
+                      " is of another model: ", missing.size(),
+                      " saved parameters are held by no rank, first '",
+                      missing.empty() ? "" : missing[0], "'; nothing was loaded");
+  }
   // Every rank must have read the same checkpoint (a file system that is not
   // shared, or caches a replaced `latest`/index, would mix two).
   const auto crcs = all_gather_checkpoint_strings(index_crc, "checkpoint_index");

@@ -193,6 +193,12 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         ignored_params: stage 3: parameters of ``module`` another optimizer
             holds (FSDP's name): the dense optimizer of a MoE model lists the
             experts here. This optimizer's units leave them alone.
+        param_names: ``{name: parameter}`` naming parameters in checkpoints
+            and ``full_state_dict()`` instead of ``module``'s names. An expert
+            optimizer needs it to save: names must say which expert a tensor
+            is across expert-parallel ranks (``"layers.0.expert5.w1"``, not
+            the local ``"experts.1.w1"``); the checkpoint then loads at any
+            expert-parallel degree.
         fused: Adam/AdamW through ATen's fused kernel, as torch.optim's
             ``fused=True`` (same results as ``torch.optim.AdamW(fused=True)``;
             several times faster on CPU than the default path).
@@ -240,6 +246,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         gradient_divide_factor: float | None = None,
         expert_parallel_group: dist.ProcessGroup | None = None,
         ignored_params: Iterable[torch.Tensor] | None = None,
+        param_names: Mapping[str, torch.Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         kind = _canonical_optimizer(optimizer)
@@ -329,14 +336,18 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             self._impl.set_replica_failure_store(
                 replica_store, _failure_prefix(groups.replicate), float(failure_report_seconds)
             )
-        if module is not None:
-            # Checkpoints store states by these names (tied weights: every name).
-            self._impl.set_parameter_names(
-                [(name, tp.local(p)) for name, p in module.named_parameters(remove_duplicate=False)]
-            )
+        # Checkpoints store states by these names (tied weights: every name).
+        self._param_names = (
+            list(param_names.items())
+            if param_names is not None
+            else list(module.named_parameters(remove_duplicate=False))
+            if module is not None
+            else None
+        )
+        if self._param_names is not None:
+            self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._gradient_handles = tp.attach(self, self._impl, stage)
-        self._expert_parallel = expert_parallel_group is not None
         self._skip_nonfinite_steps = bool(skip_nonfinite_steps)
         if expert_parallel_group is not None:
             if tp.active:
@@ -507,7 +518,6 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         and written by a C++ thread while training goes on; the next save or
         load, ``wait_for_checkpoint()`` or exit waits for it.
         """
-        self._refuse_expert_parallel_checkpoint()
         self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
@@ -527,18 +537,8 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         missing file raises ``ValueError`` on every rank before anything
         changes. With ``load_optimizer_states=False`` only the weights load.
         """
-        self._refuse_expert_parallel_checkpoint()
         self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
         self._sync_hyperparameters()
-
-    def _refuse_expert_parallel_checkpoint(self) -> None:
-        if self._expert_parallel:
-            # Each expert-parallel rank holds other experts, which the index
-            # (built from one rank's parameters) would not list.
-            raise NotImplementedError(
-                "checkpoints of an expert_parallel_group= optimizer are not supported yet; "
-                "save full_state_dict() of each expert-parallel rank instead"
-            )
 
     def _sync_hyperparameters(self) -> None:
         # The C++ core restored the saved hyper-parameters; mirror them here,
@@ -575,8 +575,9 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
     def full_state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
         """Collective: the full fp32 model state on ``rank`` (empty dict elsewhere).
 
-        Keys are ``module.named_parameters()`` names when the optimizer knows the
-        model (stage 3), else ``"group{g}.{i}"``. Values are the master weights.
+        Keys are ``param_names``' names, else ``module.named_parameters()``
+        names when the optimizer knows the model, else ``"group{g}.{i}"``.
+        Values are the master weights.
         """
         full = self._impl.full_parameters(rank)
         if not full or not full[0]:
@@ -589,12 +590,8 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         if self._tensor_parallel.active:
             by_id = self._tensor_parallel.full_tensors(by_id)
             full = [[by_id[id(p)] for p in group["params"]] for group in self.param_groups]
-        if self._module is not None:
-            return {
-                name: by_id[id(p)]
-                for name, p in self._module.named_parameters(remove_duplicate=False)
-                if id(p) in by_id
-            }
+        if self._param_names is not None:
+            return {name: by_id[id(p)] for name, p in self._param_names if id(p) in by_id}
         return {
             f"group{g}.{i}": value
             for g, values in enumerate(full)
