@@ -45,7 +45,7 @@ std::vector<ElementRuns> unsplit_runs(const TensorParallelSplit& split,
 
 void for_each_shared_range(const std::vector<ElementRuns>& target, const ElementRuns& source,
                            const std::function<void(int64_t, int64_t, int64_t)>& copy) {
-  if (source.count == 0) {
+  if (source.numel() == 0) {
     return;
   }
   TORCH_CHECK(source.run > 0 && source.stride >= source.run, "invalid checkpoint piece: run ",

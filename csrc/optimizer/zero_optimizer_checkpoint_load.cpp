@@ -112,6 +112,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   std::vector<std::vector<int64_t>> steps(shards_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
   std::string index_crc;
+  std::vector<std::string> held;  // the saved names this rank's parameters matched
   try {
     TORCH_CHECK_VALUE(error.empty(), error);
     result.index = read_checkpoint_index(path);
@@ -158,6 +159,9 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
         }
         used[entry] = true;
         match[g].push_back(entry);
+        if (entry != nullptr) {
+          held.push_back(entry->at("name").get<std::string>());  // its saved name, not an alias
+        }
       }
     }
     for (const auto& param : index.at("params")) {
@@ -322,15 +326,18 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     }
   }
   agree_on_checkpoint_errors(error, "load checkpoint " + path + "; nothing was loaded on any rank");
+  // Every rank must have read the same checkpoint (a file system that is not
+  // shared, or caches a replaced `latest`/index, would mix two).
+  const auto crcs = all_gather_checkpoint_strings(index_crc, "checkpoint_index");
+  TORCH_CHECK_VALUE(
+      std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
+      "the ranks read different index.json files for checkpoint ", path,
+      " (it must be on a file system every rank sees alike); nothing was loaded");
+
   if (tensor_parallel_comm_) {
     // Every saved parameter must be held by some rank (the check the
-    // matching above leaves to here): the same verdict on every rank.
-    std::vector<std::string> held;
-    for (size_t g = 0; g < param_groups_.size(); ++g) {
-      for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
-        held.push_back(parameter_name(g, i));
-      }
-    }
+    // matching above leaves to here): the same verdict on every rank, as
+    // every rank read the same index.
     std::unordered_map<std::string, bool> anywhere;
     for (const std::string& each :
          all_gather_checkpoint_strings(nlohmann::json(held).dump(), "checkpoint_held")) {
@@ -349,13 +356,6 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
                       " saved parameters are held by no rank, first '",
                       missing.empty() ? "" : missing[0], "'; nothing was loaded");
   }
-  // Every rank must have read the same checkpoint (a file system that is not
-  // shared, or caches a replaced `latest`/index, would mix two).
-  const auto crcs = all_gather_checkpoint_strings(index_crc, "checkpoint_index");
-  TORCH_CHECK_VALUE(
-      std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
-      "the ranks read different index.json files for checkpoint ", path,
-      " (it must be on a file system every rank sees alike); nothing was loaded");
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {

@@ -93,18 +93,30 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
       *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
       "replicas/checkpoint_rank_files");
+  CheckpointSaveOptions with_replicas = options;
+  std::string collision;
+  if (replica_comm_->rank() == 0) {
+    for (size_t r = 1; r < replica_files.size(); ++r) {
+      for (auto& [name, content] : checkpoint_detail::decode_files(replica_files[r])) {
+        if (!with_replicas.rank_files().emplace(name, std::move(content)).second) {
+          collision = "rank file '" + name +
+                      "' is given by two replicas; rank file names must differ between ranks "
+                      "(name them by checkpoint_rank())";
+        }
+      }
+    }
+  }
+  // Agreed by every rank (shard, replicate and tensor-parallel groups) before
+  // any of them enters the save's own agreements.
+  std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
+  if (tensor_parallel_comm_) {
+    refused = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
+        *tensor_parallel_comm_, refused, device_, "tensor_parallel/checkpoint_rank_file_names"));
+  }
+  TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
   std::string error;
   if (replica_comm_->rank() == 0) {
     try {
-      CheckpointSaveOptions with_replicas = options;
-      for (size_t r = 1; r < replica_files.size(); ++r) {
-        for (auto& [name, content] : checkpoint_detail::decode_files(replica_files[r])) {
-          TORCH_CHECK_VALUE(with_replicas.rank_files().count(name) == 0, "rank file '", name,
-                            "' is given by two replicas; rank file names must differ between "
-                            "ranks (name them by checkpoint_rank())");
-          with_replicas.rank_files()[name] = std::move(content);
-        }
-      }
       save_checkpoint_shards(path, with_replicas);
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();

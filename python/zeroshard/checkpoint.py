@@ -57,6 +57,11 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str], tag: str | None = Non
     )
 
 
+# csrc/include/zeroshard/checkpoint.h's kCheckpointFormatVersion: 2 added
+# strided pieces (tensor parallelism).
+_FORMAT_VERSION = 2
+
+
 def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``index.json`` of checkpoint directory ``path``."""
     index_path = Path(path) / "index.json"
@@ -65,6 +70,12 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     index = json.loads(index_path.read_text())
     if index.get("format") != "zeroshard-checkpoint":
         raise ValueError(f"{index_path} is not a zeroshard checkpoint index")
+    version = index.get("format_version", 0)
+    if not 1 <= version <= _FORMAT_VERSION:
+        raise ValueError(
+            f"{index_path} has format version {version}; this build reads versions 1 to "
+            f"{_FORMAT_VERSION}"
+        )
     return index
 
 

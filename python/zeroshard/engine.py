@@ -134,6 +134,7 @@ class Engine:
         save or load, ``wait_for_checkpoint()`` or exit waits for it).
         Returns the checkpoint's path.
         """
+        self.optimizer._tensor_parallel.check_checkpointable()
         replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
         if client_state is not None:
             replicated_files["client_state.pt"] = _to_bytes(client_state)
@@ -179,6 +180,7 @@ class Engine:
         and reused while the DeepSpeed files are unchanged) and every rank
         loads that.
         """
+        self.optimizer._tensor_parallel.check_checkpointable()
         tag = self._deepspeed_tag(load_dir, tag)
         loaded = self._impl.load_checkpoint(
             os.fspath(load_dir),

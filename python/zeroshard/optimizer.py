@@ -371,7 +371,19 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         if stage == 3:
             assert module is not None
             if any(p.is_meta for group in self.param_groups for p in group["params"]):
+                before = [p for group in self.param_groups for p in group["params"]]
                 materialize(self._impl, module, self.param_groups, param_init_fn)
+                # The names follow the parameters materialize put in their place.
+                after = {
+                    id(old): new
+                    for old, new in zip(
+                        before,
+                        (p for group in self.param_groups for p in group["params"]),
+                        strict=True,
+                    )
+                }
+                if self._param_names is not None:
+                    self._param_names = [(n, after.get(id(p), p)) for n, p in self._param_names]
                 # Now over the real parameters.
                 units = self._plan_units(
                     module, unit_classes, ignored, expert_parallel_group is not None
@@ -518,6 +530,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         and written by a C++ thread while training goes on; the next save or
         load, ``wait_for_checkpoint()`` or exit waits for it.
         """
+        self._tensor_parallel.check_checkpointable()
         self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
@@ -537,6 +550,7 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         missing file raises ``ValueError`` on every rank before anything
         changes. With ``load_optimizer_states=False`` only the weights load.
         """
+        self._tensor_parallel.check_checkpointable()
         self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
         self._sync_hyperparameters()
 

@@ -33,11 +33,12 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-def _split_of(param: torch.Tensor) -> tuple[int, int, list[int]]:
+def _split_of(param: torch.Tensor) -> tuple[int, int, list[int]] | None:
     """Where ``param``'s local piece sits in the unsplit tensor: (dim, start, shape).
 
     What the C++ core's checkpoints need (``TensorParallelSplit``); dim -1
-    for a plain tensor or a ``Replicate`` copy.
+    for a plain tensor or a ``Replicate`` copy; None for a placement
+    checkpoints cannot describe (e.g. ``_StridedShard``), which still trains.
     """
     dtensor = _dtensor_type()
     if dtensor is None or not isinstance(param, dtensor):
@@ -48,11 +49,8 @@ def _split_of(param: torch.Tensor) -> tuple[int, int, list[int]]:
     if not shards:
         return (-1, 0, list(param.shape))
     if len(shards) > 1 or type(shards[0]).__name__ != "Shard":
-        raise ValueError(
-            f"tensor-parallel parameter of shape {tuple(param.shape)} has placements "
-            f"{param.placements}; zeroshard takes Shard(dim) or Replicate on a 1-D mesh"
-        )
-    dim = shards[0].dim
+        return None
+    dim = shards[0].dim % param.ndim
     _, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
@@ -99,7 +97,25 @@ class TensorParallelParameters:
             ]
             for group in param_groups
         ]
-        self.splits = [[_split_of(p) for p in group["params"]] for group in param_groups]
+        splits = [[_split_of(p) for p in group["params"]] for group in param_groups]
+        self._unsplittable = [
+            f"parameter {i} of group {g} ({param_groups[g]['params'][i].placements})"
+            for g, group in enumerate(splits)
+            for i, split in enumerate(group)
+            if split is None
+        ]
+        # The core refuses checkpoints without splits; check_checkpointable
+        # says why first.
+        self.splits = [] if self._unsplittable else splits
+
+    def check_checkpointable(self) -> None:
+        """Raises (on every rank alike) when a placement has no checkpoint layout."""
+        if self._unsplittable:
+            raise NotImplementedError(
+                "checkpoints of tensor-parallel parameters placed other than Shard(dim) or "
+                f"Replicate are not supported: {self._unsplittable[:3]}; save "
+                "full_state_dict() instead"
+            )
 
     @property
     def active(self) -> bool:

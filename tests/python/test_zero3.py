@@ -444,7 +444,9 @@ def _partitioned(rank: int, world_size: int) -> dict[str, Any]:
         optimizer.zero_grad()
     with optimizer.gathered_parameters():
         trained_params = snapshot(model)
-    return {"initial": initial, "trained": trained_params}
+    # full_state_dict names the materialized parameters, not the meta ones.
+    full = optimizer.full_state_dict(rank=0)
+    return {"initial": initial, "trained": trained_params, "full": full}
 
 
 def test_partitioned_construction_equals_full_construction_then_apply_init() -> None:
@@ -465,6 +467,10 @@ def test_partitioned_construction_equals_full_construction_then_apply_init() -> 
     assert_ranks_match_reference(
         [r["trained"] for r in results], snapshot(model), TOLERANCE, "partitioned construction"
     )
+    full = results[0]["full"]  # tied weights appear under every name here
+    assert set(results[0]["trained"]) <= set(full), sorted(full)
+    for name, value in results[0]["trained"].items():
+        assert torch.equal(full[name], value), name
 
 
 LAYERS, WIDTH = 16, 1536  # 37.8M parameters, 151 MB in fp32
