@@ -7,12 +7,7 @@ hyper-parameters to the C++ core at every step.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
-import os
-import sys
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +18,7 @@ from zeroshard import _C
 from zeroshard.groups import data_parallel_groups
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
+from zeroshard.optimizer_state import OptimizerState
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
@@ -39,21 +35,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
-
-_STATE_KEY = "zeroshard_shard"
-
-# Optimizers with an asynchronous save in flight: interpreter exit waits for
-# them (the C++ destructor would too, but exit may not run it).
-_IN_FLIGHT: weakref.WeakSet[ZeroOptimizer] = weakref.WeakSet()
-
-
-@atexit.register
-def _finish_checkpoints() -> None:
-    for optimizer in list(_IN_FLIGHT):
-        try:
-            optimizer._impl.wait_for_checkpoint()
-        except Exception as error:  # noqa: BLE001 - exit: report and wait for the others
-            print(f"[zeroshard] {error}", file=sys.stderr)
 
 
 def _canonical_optimizer(name: str) -> str:
@@ -91,7 +72,7 @@ def _failure_prefix(group: dist.ProcessGroup) -> str:
     return f"zeroshard/{name}/optimizer{count}"
 
 
-class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
+class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
@@ -484,85 +465,6 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
         finally:
             self._impl.set_gradient_sync(previous)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard plus the hyper-parameters; save one file per rank."""
-        base = super().state_dict()
-        return {
-            "state": {},
-            "param_groups": base["param_groups"],
-            _STATE_KEY: self._impl.shard_state(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Collective: restores a state saved by ``state_dict()`` on the same rank."""
-        if _STATE_KEY not in state_dict:
-            raise ValueError(
-                "not a zeroshard.ZeroOptimizer state dict (no "
-                f"{_STATE_KEY!r} entry); load what ZeroOptimizer.state_dict() saved"
-            )
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"state dict has {len(groups)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        self._impl.load_shard_state(state_dict[_STATE_KEY])
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
-
-    # Checkpoints that load at any world size and stage --------------------------
-
-    def save_checkpoint(self, path: str | os.PathLike[str], async_save: bool = False) -> None:
-        """Collective: writes this optimizer's state as the checkpoint directory ``path``.
-
-        Every rank writes the ranges of the fp32 master weights and moments it
-        owns, keyed by parameter name (``module=``'s names, else
-        ``"group{g}.{i}"``), into ``path.tmp/``; once all writes succeeded the
-        directory is renamed to ``path`` atomically. Loads at any world size,
-        stage, bucket size, grouping or offload setting (``load_checkpoint``).
-        Tensor-parallel (DTensor) parameters are stored as unsplit tensors,
-        written by every tensor-parallel rank into the same directory: the
-        checkpoint loads at any tensor-parallel degree, or without TP, and
-        ``python -m zeroshard consolidate`` makes whole tensors of it.
-        With ``async_save`` the state is copied to host memory during the call
-        and written by a C++ thread while training goes on; the next save or
-        load, ``wait_for_checkpoint()`` or exit waits for it.
-        """
-        self._tensor_parallel.check_checkpointable()
-        self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
-        if async_save:
-            _IN_FLIGHT.add(self)
-
-    def wait_for_checkpoint(self) -> None:
-        """Waits for an asynchronous save; raises (on every rank) if it failed."""
-        _IN_FLIGHT.discard(self)
-        self._impl.wait_for_checkpoint()
-
-    def load_checkpoint(
-        self, path: str | os.PathLike[str], load_optimizer_states: bool = True
-    ) -> None:
-        """Collective: loads a checkpoint written by ``save_checkpoint`` (or an engine).
-
-        Parameters are matched by name; each rank reads only the ranges it now
-        owns and verifies their checksums. A mismatched model, a corrupt or a
-        missing file raises ``ValueError`` on every rank before anything
-        changes. With ``load_optimizer_states=False`` only the weights load.
-        """
-        self._tensor_parallel.check_checkpointable()
-        self._impl.load_checkpoint(os.fspath(path), load_optimizer_states)
-        self._sync_hyperparameters()
-
-    def _sync_hyperparameters(self) -> None:
-        # The C++ core restored the saved hyper-parameters; mirror them here,
-        # since these dicts are what step() hands back to it.
-        for group, values in zip(
-            self.param_groups, json.loads(self._impl.group_hyperparameters()), strict=True
-        ):
-            for key, value in values.items():
-                group[key] = tuple(value) if key == "betas" else value
-
     # Gathering on demand ---------------------------------------------------------
 
     @contextlib.contextmanager
@@ -585,32 +487,6 @@ class ZeroOptimizer(OptimizerMeasurements, torch.optim.Optimizer):
             yield
         finally:
             self._impl.unpin_parameters(chosen, -1 if modifier_rank is None else modifier_rank)
-
-    def full_state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
-        """Collective: the full fp32 model state on ``rank`` (empty dict elsewhere).
-
-        Keys are ``param_names``' names, else ``module.named_parameters()``
-        names when the optimizer knows the model, else ``"group{g}.{i}"``.
-        Values are the master weights.
-        """
-        full = self._impl.full_parameters(rank)
-        if not full or not full[0]:
-            return {}
-        by_id = {
-            id(p): value
-            for group, values in zip(self.param_groups, full, strict=True)
-            for p, value in zip(group["params"], values, strict=True)
-        }
-        if self._tensor_parallel.active:
-            by_id = self._tensor_parallel.full_tensors(by_id)
-            full = [[by_id[id(p)] for p in group["params"]] for group in self.param_groups]
-        if self._param_names is not None:
-            return {name: by_id[id(p)] for name, p in self._param_names if id(p) in by_id}
-        return {
-            f"group{g}.{i}": value
-            for g, values in enumerate(full)
-            for i, value in enumerate(values)
-        }
 
     def remove_hooks(self) -> None:
         """Stage 3: detaches the module hooks (the model can no longer run)."""
