@@ -81,13 +81,10 @@ def reference() -> dict[str, torch.Tensor]:
     }
 
 
-def _train(rank: int, world_size: int, stage: int, schedule_name: str) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    pp_index, dp_index = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    module = make_stages()[pp_index]
+def _stage(
+    module: nn.Module, stage: int, mesh: Any
+) -> tuple[zeroshard.ZeroOptimizer, zeroshard.pipelining.PipelineStage]:
+    """ZeRO over this pipeline stage's data-parallel group, and the stage."""
     optimizer = zeroshard.ZeroOptimizer(
         module.parameters(),
         "adamw",
@@ -98,8 +95,24 @@ def _train(rank: int, world_size: int, stage: int, schedule_name: str) -> dict[s
         lr=LR,
     )
     pipeline_stage = zeroshard.pipelining.PipelineStage(
-        module, pp_index, PP, torch.device("cpu"), group=mesh["pp"].get_group(), optimizer=optimizer
+        module,
+        mesh["pp"].get_local_rank(),
+        PP,
+        torch.device("cpu"),
+        group=mesh["pp"].get_group(),
+        optimizer=optimizer,
     )
+    return optimizer, pipeline_stage
+
+
+def _train(rank: int, world_size: int, stage: int, schedule_name: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    pp_index, dp_index = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    module = make_stages()[pp_index]
+    optimizer, pipeline_stage = _stage(module, stage, mesh)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     schedule = schedule_class(pipeline_stage, n_microbatches=MICRO, loss_fn=loss_fn)
     per = BATCH // DP
@@ -180,18 +193,7 @@ def _train_tp(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     module = make_stages()[pp_index]
     plan = {"block.mlp_in": ColwiseParallel(), "block.mlp_out": RowwiseParallel()}
     parallelize_module(module, mesh["tp"], plan)
-    optimizer = zeroshard.ZeroOptimizer(
-        module.parameters(),
-        "adamw",
-        stage=stage,
-        device_mesh=mesh["dp"],
-        module=module,
-        reduce_bucket_size=50,
-        lr=LR,
-    )
-    pipeline_stage = zeroshard.pipelining.PipelineStage(
-        module, pp_index, PP, torch.device("cpu"), group=mesh["pp"].get_group(), optimizer=optimizer
-    )
+    optimizer, pipeline_stage = _stage(module, stage, mesh)
     schedule = ScheduleGPipe(pipeline_stage, n_microbatches=MICRO, loss_fn=loss_fn)
     for step in range(STEPS):
         tokens, targets = batch(step)

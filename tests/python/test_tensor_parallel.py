@@ -119,6 +119,21 @@ def _parallelized(mesh: Any) -> Net:
     return model
 
 
+def _zero(model: nn.Module, stage: int, **groups: Any) -> zeroshard.ZeroOptimizer:
+    """The optimizer every run here uses: AdamW, clipping, small buckets."""
+    return zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=stage,
+        module=model,
+        max_norm=CLIP,
+        reduce_bucket_size=30,
+        stage3_param_persistence_threshold=0,
+        lr=LR,
+        **groups,
+    )
+
+
 def _local_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batch(step)
     per = BATCH // DP
@@ -131,17 +146,7 @@ def _train(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     model = _parallelized(mesh)
-    optimizer = zeroshard.ZeroOptimizer(
-        model.parameters(),
-        "adamw",
-        stage=stage,
-        device_mesh=mesh["dp"],
-        module=model,
-        max_norm=CLIP,
-        reduce_bucket_size=30,
-        stage3_param_persistence_threshold=0,
-        lr=LR,
-    )
+    optimizer = _zero(model, stage, device_mesh=mesh["dp"])
     norms = []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -221,17 +226,7 @@ def _resume(
         dp_rank = mesh["dp"].get_local_rank()
     else:
         model, groups, dp_rank = make_net(), {}, rank
-    optimizer = zeroshard.ZeroOptimizer(
-        model.parameters(),
-        "adamw",
-        stage=stage,
-        module=model,
-        max_norm=CLIP,
-        reduce_bucket_size=30,
-        stage3_param_persistence_threshold=0,
-        lr=LR,
-        **groups,
-    )
+    optimizer = _zero(model, stage, **groups)
     if load is not None:
         optimizer.load_checkpoint(load)
     per = BATCH // dp
@@ -452,17 +447,7 @@ def _train_hybrid(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2, TP), mesh_dim_names=("replicate", "shard", "tp"))
     dp_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
     model = _parallelized(mesh)
-    optimizer = zeroshard.ZeroOptimizer(
-        model.parameters(),
-        "adamw",
-        stage=stage,
-        device_mesh=mesh["replicate", "shard"],
-        module=model,
-        max_norm=CLIP,
-        reduce_bucket_size=30,
-        stage3_param_persistence_threshold=0,
-        lr=LR,
-    )
+    optimizer = _zero(model, stage, device_mesh=mesh["replicate", "shard"])
     per = BATCH // 4
     norms = []
     for step in range(STEPS):
@@ -538,16 +523,7 @@ def _sequence_parallel(rank: int, world_size: int, stage: int) -> dict[str, Any]
         "down": RowwiseParallel(output_layouts=Replicate()),
     }
     parallelize_module(model, mesh["tp"], plan)
-    optimizer = zeroshard.ZeroOptimizer(
-        model.parameters(),
-        "adamw",
-        stage=stage,
-        device_mesh=mesh["dp"],
-        module=model,
-        max_norm=CLIP,
-        stage3_param_persistence_threshold=0,
-        lr=LR,
-    )
+    optimizer = _zero(model, stage, device_mesh=mesh["dp"])
     per, part = BATCH // DP, _SP_SEQ // TP
     tp_rank = mesh["tp"].get_local_rank()
     for step in range(STEPS):
