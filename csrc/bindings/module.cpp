@@ -393,6 +393,8 @@ PYBIND11_MODULE(_C, m) {
       .def("gradient_bytes", &ZeroOptimizer::gradient_bytes)
       .def("peak_staging_bytes", &ZeroOptimizer::peak_staging_bytes)
       .def("reset_peak_staging_bytes", &ZeroOptimizer::reset_peak_staging_bytes)
+      .def("cached_buffer_bytes", &ZeroOptimizer::cached_buffer_bytes)
+      .def("release_cached_buffers", &ZeroOptimizer::release_cached_buffers)
       .def("optimizer_state_bytes", &ZeroOptimizer::optimizer_state_bytes)
       .def("device_model_state_bytes", &ZeroOptimizer::device_model_state_bytes)
       .def("host_model_state_bytes", &ZeroOptimizer::host_model_state_bytes)

@@ -198,15 +198,15 @@ HostBufferPool::HostBufferPool() : state_(std::make_shared<State>()) {}
 
 HostBufferPool::~HostBufferPool() { state_->release(/*close=*/true); }
 
-at::Tensor HostBufferPool::take(int64_t numel, const at::TensorOptions& options, bool* reused) {
-  *reused = false;
+at::Tensor HostBufferPool::take(int64_t numel, const at::TensorOptions& options) {
   if (!mapped(numel, options)) {
     return at::Tensor();
   }
   const size_t bytes =
       mapped_bytes(static_cast<size_t>(numel) * static_cast<size_t>(options.dtype().itemsize()));
   size_t mapped_size = 0;
-  void* address = state_->acquire(bytes, reused, &mapped_size);
+  bool reused = false;
+  void* address = state_->acquire(bytes, &reused, &mapped_size);
   try {
     std::shared_ptr<State> state = state_;
     return at::from_blob(
@@ -222,18 +222,8 @@ at::Tensor HostBufferPool::take(int64_t numel, const at::TensorOptions& options,
 }
 
 at::Tensor HostBufferPool::empty(int64_t numel, const at::TensorOptions& options) {
-  bool reused = false;
-  at::Tensor tensor = take(numel, options, &reused);
+  at::Tensor tensor = take(numel, options);
   return tensor.defined() ? tensor : at::empty({numel}, options);
-}
-
-at::Tensor HostBufferPool::zeros(int64_t numel, const at::TensorOptions& options) {
-  bool reused = false;
-  at::Tensor tensor = take(numel, options, &reused);
-  if (!tensor.defined()) {
-    return at::zeros({numel}, options);
-  }
-  return reused ? tensor.zero_() : tensor;  // a fresh mapping reads as zeros
 }
 
 int64_t HostBufferPool::cached_bytes() const {

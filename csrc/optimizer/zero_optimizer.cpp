@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <unordered_map>
@@ -179,6 +180,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
   }
   shards_.resize(param_groups_.size());
+  parameter_gathers_launched_.assign(param_groups_.size(), 0);
   std::vector<at::TensorOptions> grad_options;
   for (size_t g = 0; g < shards_.size(); ++g) {
     shards_[g].param_options = param_options[g];
@@ -385,6 +387,13 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
+  // torch::optim::Optimizer::add_param_group is not virtual: a group added
+  // after construction has no place in the partition layout.
+  TORCH_CHECK(param_groups_.size() == layout_->groups().size(), "ZeroOptimizer has ",
+              param_groups_.size(), " parameter groups but was built with ",
+              layout_->groups().size(),
+              ": groups cannot be added after construction (the partition layout is fixed); pass "
+              "every group to the constructor");
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     // Hyper-parameters may have been edited since the last step (schedulers).
     validate_inner_options(inner_kind_, param_groups_[g].options());
@@ -414,9 +423,7 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     } catch (...) {
       // Gathers launched before the failure are retired; a later gather
       // (a checkpoint load) must launch every bucket again.
-      parameter_gathers_.clear();
-      parameter_gather_inputs_.clear();
-      parameter_gathers_launched_.assign(param_groups_.size(), 0);
+      forget_parameter_gathers();
       throw;
     }
     gather_parameters();
@@ -464,15 +471,13 @@ void ZeroOptimizer::gather_parameters() {
       launch_parameter_gathers(g, layout_->group(g).buckets().size());
     }
   } catch (...) {
-    parameter_gathers_launched_.assign(param_groups_.size(), 0);
+    forget_parameter_gathers();
     throw;
   }
   // Whatever the waits do, the next gather starts from nothing.
   std::vector<PendingCollective> pending = std::move(parameter_gathers_);
   std::vector<at::Tensor> inputs = std::move(parameter_gather_inputs_);
-  parameter_gathers_.clear();
-  parameter_gather_inputs_.clear();
-  parameter_gathers_launched_.assign(param_groups_.size(), 0);
+  forget_parameter_gathers();
   for (auto& work : pending) {
     work.wait();
   }
@@ -488,10 +493,13 @@ void ZeroOptimizer::gather_parameters() {
 // with offload) and waits for all. A failed update drops the gathers it
 // launched without waiting (the other ranks then fail in theirs, bounded by
 // the process-group timeout, as with any failure between collectives).
+void ZeroOptimizer::forget_parameter_gathers() {
+  parameter_gathers_.clear();
+  parameter_gather_inputs_.clear();
+  std::fill(parameter_gathers_launched_.begin(), parameter_gathers_launched_.end(), 0);
+}
+
 void ZeroOptimizer::launch_parameter_gathers(size_t g, size_t end) {
-  if (parameter_gathers_launched_.size() != param_groups_.size()) {
-    parameter_gathers_launched_.assign(param_groups_.size(), 0);
-  }
   const GroupLayout& layout = layout_->group(g);
   GroupShards& shard = shards_[g];
   for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {

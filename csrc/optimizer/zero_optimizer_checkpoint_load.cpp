@@ -111,6 +111,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   std::vector<std::array<at::Tensor, 5>> loaded(shards_.size());
   std::vector<std::vector<int64_t>> steps(shards_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
+  bool same_grouping = false;  // the saved groups are this optimizer's
   std::string index_crc;
   std::vector<std::string> held;  // the saved names this rank's parameters matched
   try {
@@ -202,7 +203,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     // (Every parameter of group g saved in group g: under expert parallelism
     // a saved group also lists the other ranks' experts.)
     const json& groups = index.at("groups");
-    bool same_grouping = with_state && groups.size() == param_groups_.size();
+    same_grouping = with_state && groups.size() == param_groups_.size();
     for (size_t g = 0; same_grouping && g < param_groups_.size(); ++g) {
       std::unordered_map<std::string, bool> saved_names;
       for (const auto& name : groups[g].at("params")) {
@@ -334,6 +335,19 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       "the ranks read different index.json files for checkpoint ", path,
       " (it must be on a file system every rank sees alike); nothing was loaded");
 
+  if (tensor_parallel_comm_ && with_state) {
+    // Under expert parallelism each rank matched its own experts against the
+    // saved groups. Ranks that decided differently would take the
+    // hyper-parameters (and which states exist) from different places.
+    const auto verdicts =
+        all_gather_checkpoint_strings(same_grouping ? "1" : "0", "checkpoint_grouping");
+    const auto matching = std::count(verdicts.begin(), verdicts.end(), "1");
+    TORCH_CHECK_VALUE(
+        matching == 0 || matching == static_cast<int64_t>(verdicts.size()), "checkpoint ", path,
+        ": its parameter groups match this optimizer's on ", matching, " of ", verdicts.size(),
+        " ranks only (a group's parameters on one rank are in another saved group); group the "
+        "parameters on every rank as they were grouped when saved; nothing was loaded");
+  }
   if (tensor_parallel_comm_) {
     // Every saved parameter must be held by some rank (the check the
     // matching above leaves to here): the same verdict on every rank, as

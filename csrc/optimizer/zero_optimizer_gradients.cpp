@@ -271,6 +271,25 @@ void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
   }
 }
 
+int64_t ZeroOptimizer::cached_buffer_bytes() const {
+  int64_t bytes = buckets_->cached_bytes();
+  for (const Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
+    bytes += comm ? comm->cached_bytes() : 0;
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::release_cached_buffers() {
+  const int64_t bytes = cached_buffer_bytes();
+  buckets_->release_cached_buffers();
+  for (Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
+    if (comm) {
+      comm->release_cached_buffers();
+    }
+  }
+  return bytes;
+}
+
 int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = buckets_->live_staging_bytes();
   for (size_t g = 0; g < shards_.size(); ++g) {

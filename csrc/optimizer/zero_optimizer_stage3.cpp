@@ -11,9 +11,54 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <cmath>
+#include <functional>
 #include <unordered_map>
 
 namespace zeroshard {
+
+namespace {
+
+// [Note: writes outside the step]
+// Outside step() a modified or initialized parameter is written bucket by
+// bucket between broadcasts. With NVMe swap space a write can fail on one
+// rank (a full or failing disk): that rank stops writing but goes on with the
+// broadcasts, and after the loop every rank raises the error (as the step
+// does) instead of leaving the others to wait in the next collective until
+// the process group times out.
+void write_unless_failed(bool keep_error, std::string& error, const std::function<void()>& write) {
+  if (!error.empty()) {
+    return;
+  }
+  if (!keep_error) {
+    write();  // no I/O: nothing rank-specific can fail
+    return;
+  }
+  try {
+    write();
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+}
+
+}  // namespace
+
+void ZeroOptimizer::raise_agreed_write_error(std::string error, const std::string& what) {
+  if (!swaps_to_nvme()) {
+    return;
+  }
+  write_unless_failed(true, error, [this] {
+    if (param_swapper_) {
+      param_swapper_->flush();
+    }
+  });
+  const std::string agreed = agreed_error(error, "nvme_write");
+  TORCH_CHECK(agreed.empty(), "could not write ", what,
+              " to the NVMe swap space (they are partly written; resume from the last "
+              "checkpoint): ",
+              agreed);
+}
 
 std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
@@ -112,6 +157,7 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   const std::vector<BucketId> buckets = buckets_of(params);
+  std::string write_error;  // see [Note: writes outside the step]
   if (modifier_rank >= 0) {
     for (const auto& [g, b] : buckets) {
       const Bucket& bucket = layout_->group(g).buckets()[b];
@@ -122,16 +168,21 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
       // Hybrid sharding: modifier_rank of the first replica decides.
       broadcast_across_replicas(full, "modified/" + bucket_tag(g, b));
       at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
-      write_master(g, bucket.shard_offset, mine);
-      if (param_swapper_) {
-        param_swapper_->write(g, bucket.shard_offset, mine);
-      } else if (shards_[g].param_shard.defined()) {
-        shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
-      }
+      write_unless_failed(swaps_to_nvme(), write_error, [&, g = g] {
+        write_master(g, bucket.shard_offset, mine);
+        if (param_swapper_) {
+          param_swapper_->write(g, bucket.shard_offset, mine);
+        } else if (shards_[g].param_shard.defined()) {
+          shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+        }
+      });
     }
   }
   if (gatherer_) {
     gatherer_->unpin(buckets);
+  }
+  if (modifier_rank >= 0) {
+    raise_agreed_write_error(std::move(write_error), "the modified parameters");
   }
 }
 
@@ -180,6 +231,7 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   const std::vector<BucketId> buckets = buckets_of(params);
+  std::string write_error;  // see [Note: writes outside the step]
   for (const auto& [g, b] : buckets) {
     const Bucket& bucket = layout_->group(g).buckets()[b];
     // Hybrid sharding: the first replica's initial values, whatever the
@@ -187,16 +239,19 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
     broadcast_across_replicas(gatherer_->full(g, b), "initialized/" + bucket_tag(g, b));
     at::Tensor mine =
         gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
-    if (param_swapper_) {
-      param_swapper_->write(g, bucket.shard_offset, mine);
-    } else {
-      shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
-    }
-    if (shards_[g].master.defined() || offloaded_) {
-      write_master(g, bucket.shard_offset, mine);
-    }
+    write_unless_failed(swaps_to_nvme(), write_error, [&, g = g] {
+      if (param_swapper_) {
+        param_swapper_->write(g, bucket.shard_offset, mine);
+      } else {
+        shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+      }
+      if (shards_[g].master.defined() || offloaded_) {
+        write_master(g, bucket.shard_offset, mine);
+      }
+    });
   }
   gatherer_->unpin(buckets);
+  raise_agreed_write_error(std::move(write_error), "the initialized parameters");
 }
 
 int64_t ZeroOptimizer::parameter_bytes() const {

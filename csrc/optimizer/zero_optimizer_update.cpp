@@ -17,10 +17,9 @@ namespace zeroshard {
 void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
   // The step's NVMe transfers: the optimizer state's, and the parameter
   // shards it writes with offload_param on NVMe.
-  const bool nvme =
-      (placement_->offload_tier() == StateTier::kNVMe && offloaded_) || param_swapper_ != nullptr;
+  const bool nvme = swaps_to_nvme();
   std::string nvme_error;
-  parameter_gathers_launched_.assign(param_groups_.size(), 0);
+  forget_parameter_gathers();  // none is in flight between steps
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupShards& shard = shards_[g];
     const auto& group_options = param_groups_[g].options();

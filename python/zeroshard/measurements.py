@@ -62,6 +62,18 @@ class OptimizerMeasurements:
         """Largest gradient staging footprint since the last reset."""
         return int(self._impl.peak_staging_bytes())
 
+    def cached_buffer_bytes(self) -> int:
+        """Host buffers kept from one step to the next for reuse (gradient
+        staging, reduce-scatter outputs and receive rows), at most one step's peak."""
+        return int(self._impl.cached_buffer_bytes())
+
+    def release_cached_buffers(self) -> int:
+        """Unmaps the buffers :meth:`cached_buffer_bytes` counts, as
+        ``torch.cuda.empty_cache`` does for CUDA's cache, e.g. before an
+        evaluation that needs the memory; the next step maps afresh. Returns
+        the bytes given back. Local to this rank: no collective."""
+        return int(self._impl.release_cached_buffers())
+
     def reset_peak_staging_bytes(self) -> None:
         """Restarts peak tracking of the gradient staging buffers."""
         self._impl.reset_peak_staging_bytes()

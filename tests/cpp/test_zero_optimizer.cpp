@@ -417,6 +417,22 @@ TEST(ZeroOptimizerErrorsTest, DuplicateParameterAndBadStageFailOnEveryRank) {
   }
 }
 
+TEST(ZeroOptimizerErrorsTest, GroupAddedAfterConstructionFailsTheStepOnEveryRank) {
+  // torch::optim::Optimizer::add_param_group is not virtual, so the layout
+  // cannot refuse it; the step must, before any collective.
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(std::vector<at::Tensor>{model.params[0], model.params[1]}, pg,
+                            torch::optim::AdamWOptions(1e-3));
+    optimizer.add_param_group(torch::optim::OptimizerParamGroup({model.params[2]}));
+    optimizer.step();
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("2 parameter groups but was built with 1"), std::string::npos) << error;
+  }
+}
+
 #endif  // ZEROSHARD_WITH_GLOO
 
 }  // namespace

@@ -301,6 +301,55 @@ def test_experts_saved_under_local_names_are_an_error_on_every_rank(tmp_path) ->
     assert not (tmp_path / "ckpt").exists()
 
 
+def _grouped_experts(rank: int, world_size: int, path: str, swap_on_second: bool) -> str:
+    """Experts in two groups (weights, biases at another lr): saved, or loaded
+    with the groups swapped on expert-parallel rank 1 only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    ep_rank = mesh["ep"].get_local_rank()
+    model = Net([2 * ep_rank, 2 * ep_rank + 1])
+    names = {
+        f"expert{e}.{n}": p
+        for e, expert in zip(model.expert_ids, model.experts, strict=True)
+        for n, p in expert.named_parameters()
+    }
+    groups = [
+        {"params": [p for n, p in names.items() if n.endswith("weight")], "lr": LR},
+        {"params": [p for n, p in names.items() if n.endswith("bias")], "lr": LR / 2},
+    ]
+    if swap_on_second and ep_rank == 1:
+        groups.reverse()
+    experts = zeroshard.ZeroOptimizer(
+        groups,
+        stage=2,
+        device_mesh=mesh["edp"],
+        expert_parallel_group=mesh["ep"].get_group(),
+        gradient_divide_factor=world_size,
+        param_names=names,
+    )
+    if not swap_on_second:
+        experts.save_checkpoint(path)
+        return "saved"
+    lrs = [g["lr"] for g in experts.param_groups]
+    try:
+        experts.load_checkpoint(path)
+    except ValueError as error:
+        assert [g["lr"] for g in experts.param_groups] == lrs, "nothing may be loaded"
+        return str(error)
+    return "no error"
+
+
+def test_experts_grouped_otherwise_on_some_ranks_are_an_error_on_every_rank(tmp_path) -> None:
+    # Rank 0's groups match the saved ones and rank 1's do not: each alone
+    # would take the hyper-parameters from a different place (the saved
+    # groups' or its own), so the ranks would train with different ones.
+    path = str(tmp_path / "ckpt")
+    assert run_ranks(WORLD, _grouped_experts, path, False) == ["saved"] * WORLD
+    for message in run_ranks(WORLD, _grouped_experts, path, True):
+        assert "parameter groups match this optimizer's on 2 of 4 ranks only" in message, message
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_moe_checkpoint_resumes_and_loads_at_another_expert_parallel_degree(
     stage: int, tmp_path

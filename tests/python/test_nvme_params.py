@@ -206,6 +206,45 @@ def test_a_damaged_parameter_swap_file_is_an_error_naming_it(tmp_path: Path) -> 
         assert "parameters.swap" in message and "met the end of the file" in message
 
 
+def _modified_on_a_full_disk(rank: int, world_size: int, path: str) -> str:
+    """GatheredParameters(modifier_rank=0) with rank 0's swap file on /dev/full."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    optimizer = _on_nvme(model, path, max_in_cpu=0)
+    if rank == 0:
+        # Every descriptor of the open swap file now writes to /dev/full
+        # (ENOSPC), as a disk that fills up would; reads give zeros.
+        swap = os.path.join(optimizer.nvme_stats()["parameters"]["directory"], "parameters.swap")
+        full = os.open("/dev/full", os.O_RDWR)
+        replaced = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target == swap:
+                os.dup2(full, int(fd))
+                replaced += 1
+        assert replaced > 0, "the swap file is kept open"
+    try:
+        with optimizer.gathered_parameters(modifier_rank=0), torch.no_grad():
+            for p in model.parameters():  # two units: a broadcast and a write each
+                p.fill_(0.5)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_failed_write_of_modified_parameters_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    # Rank 0 fails its first unit's write; it goes on with the broadcasts
+    # (rank 1 would otherwise wait in the second until the timeout) and both
+    # raise rank 0's error after the last.
+    for rank, message in enumerate(run_ranks(2, _modified_on_a_full_disk, str(tmp_path))):
+        print(f"rank {rank}: {message}")
+        assert "could not write the modified parameters to the NVMe swap space" in message
+        assert "parameters.swap" in message, message
+
+
 def _construct(rank: int, world_size: int, kwargs: dict[str, Any]) -> str:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
     try:

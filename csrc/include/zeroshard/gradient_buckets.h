@@ -68,6 +68,10 @@ class GradientBuckets {
   // collectives as ranks that had gradients.
   void flush(const LeftoverGradient& leftover, bool force_round);
 
+  // Staging and output mappings freed and held for the next round.
+  int64_t cached_bytes() const { return buffer_pool_.cached_bytes(); }
+  void release_cached_buffers() { buffer_pool_.clear(); }
+
   // Waits for every launched bucket and adds its result into the shards.
   void wait_all();
 

@@ -58,18 +58,19 @@ class HostBufferPool {
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
-  // As empty_buffer / zeros_buffer, with the mapping taken from the pool.
+  // As empty_buffer, with the mapping taken from the pool (uninitialised:
+  // a reused mapping holds its last user's data).
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
-  at::Tensor zeros(int64_t numel, const at::TensorOptions& options);
   // Bytes of freed mappings held for reuse.
   int64_t cached_bytes() const;
+  // Unmaps what it holds (ZeroOptimizer::release_cached_buffers).
   void clear();
 
   struct State;  // shared with the buffers' deleters
 
  private:
   // Undefined where a pooled mapping does not apply (see empty_buffer).
-  at::Tensor take(int64_t numel, const at::TensorOptions& options, bool* reused);
+  at::Tensor take(int64_t numel, const at::TensorOptions& options);
   std::shared_ptr<State> state_;
 };
 

@@ -132,6 +132,14 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Largest staging-buffer footprint since construction or the last reset.
   int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
   void reset_peak_staging_bytes() { buckets_->reset_peak_staging_bytes(); }
+  // Host buffers kept from one step to the next (gradient staging,
+  // reduce-scatter outputs and receive rows; see mapped_host_memory.h), at
+  // most one step's peak.
+  int64_t cached_buffer_bytes() const;
+  // Unmaps them, as torch.cuda.empty_cache does for CUDA's cache (e.g. before
+  // an evaluation that needs the memory); the next step maps afresh. Returns
+  // the bytes given back. Local: no collective.
+  int64_t release_cached_buffers();
 
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
   const ZeroOptions& zero_options() const { return options_; }
@@ -339,6 +347,14 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // copy on the device; and the write into them. Every stage and placement.
   at::Tensor read_master(size_t group, int64_t offset, int64_t length) const;
   void write_master(size_t group, int64_t offset, const at::Tensor& values);
+  // Optimizer state or parameter shards live in NVMe swap space.
+  bool swaps_to_nvme() const {
+    return (placement_->offload_tier() == StateTier::kNVMe && offloaded_) ||
+           param_swapper_ != nullptr;
+  }
+  // With NVMe: every rank raises a write error any rank kept (with what was
+  // being written); see [Note: writes outside the step]. Collective there.
+  void raise_agreed_write_error(std::string error, const std::string& what);
   // Offload: writes updated parameter values (the parameters' dtype) into the
   // copy the device uses: this rank's slices of flat_param (stages 1-2) or
   // param_shard (stage 3).
@@ -390,6 +406,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Stages 1-2: launches the all-gather of group g's buckets below `end`
   // not yet launched this step (see [Note: gathers behind the update]).
   void launch_parameter_gathers(size_t g, size_t end);
+  // Drops the gathers in flight without waiting; the next launch starts
+  // from every group's first bucket.
+  void forget_parameter_gathers();
   void gather_parameters();
 
   InnerOptimizerKind inner_kind_;
