@@ -133,6 +133,27 @@ def _named(model: Net) -> dict[str, torch.Tensor]:
     return out
 
 
+def _expert_names(model: Net) -> dict[str, torch.Tensor]:
+    """Each expert's parameters under its global name, whatever rank holds it."""
+    return {
+        f"expert{e}.{n}": p
+        for e, expert in zip(model.expert_ids, model.experts, strict=True)
+        for n, p in expert.named_parameters()
+    }
+
+
+def _stage2_experts(params: Any, mesh: Any, world_size: int, **extra: Any) -> Any:
+    """The expert optimizer of the checkpoint tests: stage 2 over the edp group."""
+    return zeroshard.ZeroOptimizer(
+        params,
+        stage=2,
+        device_mesh=mesh["edp"],
+        expert_parallel_group=mesh["ep"].get_group(),
+        gradient_divide_factor=world_size,
+        **extra,
+    )
+
+
 def _train(
     rank: int,
     world_size: int,
@@ -178,11 +199,7 @@ def _train(
         skip_nonfinite_steps=inf_at is not None,
         # Which expert a tensor is, whatever rank holds it: checkpoints load
         # at any expert-parallel degree.
-        param_names={
-            f"expert{e}.{n}": p
-            for e, expert in zip(model.expert_ids, model.experts, strict=True)
-            for n, p in expert.named_parameters()
-        },
+        param_names=_expert_names(model),
         **experts_only,
     )
     ep_group = mesh["ep"].get_group() if ep > 1 else None
@@ -279,13 +296,7 @@ def _save_experts(rank: int, world_size: int, path: str) -> str:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     model = Net([2 * mesh["ep"].get_local_rank(), 2 * mesh["ep"].get_local_rank() + 1])
-    experts = zeroshard.ZeroOptimizer(
-        model.experts.parameters(),
-        stage=2,
-        device_mesh=mesh["edp"],
-        expert_parallel_group=mesh["ep"].get_group(),
-        gradient_divide_factor=world_size,
-    )
+    experts = _stage2_experts(model.experts.parameters(), mesh, world_size)
     try:
         experts.save_checkpoint(path)
     except ValueError as error:
@@ -309,25 +320,14 @@ def _grouped_experts(rank: int, world_size: int, path: str, swap_on_second: bool
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     ep_rank = mesh["ep"].get_local_rank()
     model = Net([2 * ep_rank, 2 * ep_rank + 1])
-    names = {
-        f"expert{e}.{n}": p
-        for e, expert in zip(model.expert_ids, model.experts, strict=True)
-        for n, p in expert.named_parameters()
-    }
+    names = _expert_names(model)
     groups = [
         {"params": [p for n, p in names.items() if n.endswith("weight")], "lr": LR},
         {"params": [p for n, p in names.items() if n.endswith("bias")], "lr": LR / 2},
     ]
     if swap_on_second and ep_rank == 1:
         groups.reverse()
-    experts = zeroshard.ZeroOptimizer(
-        groups,
-        stage=2,
-        device_mesh=mesh["edp"],
-        expert_parallel_group=mesh["ep"].get_group(),
-        gradient_divide_factor=world_size,
-        param_names=names,
-    )
+    experts = _stage2_experts(groups, mesh, world_size, param_names=names)
     if not swap_on_second:
         experts.save_checkpoint(path)
         return "saved"

@@ -187,12 +187,18 @@ def test_resident_parameter_shards_are_buffer_count_buckets_whatever_the_model_s
 # ---- Faults ---------------------------------------------------------------------------
 
 
-def _damaged(rank: int, world_size: int, path: str) -> str:
+def _two_units_on_nvme(path: str) -> tuple[nn.Module, Any, str]:
+    """Two one-layer units, every shard on NVMe; the swap file's path."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
     optimizer = _on_nvme(model, path, max_in_cpu=0)
     directory = optimizer.nvme_stats()["parameters"]["directory"]
-    os.truncate(os.path.join(directory, "parameters.swap"), 0)
+    return model, optimizer, os.path.join(directory, "parameters.swap")
+
+
+def _damaged(rank: int, world_size: int, path: str) -> str:
+    model, optimizer, swap = _two_units_on_nvme(path)
+    os.truncate(swap, 0)
     try:
         model(torch.randn(4, WIDTH)).sum().backward()
     except RuntimeError as error:
@@ -208,13 +214,10 @@ def test_a_damaged_parameter_swap_file_is_an_error_naming_it(tmp_path: Path) -> 
 
 def _modified_on_a_full_disk(rank: int, world_size: int, path: str) -> str:
     """GatheredParameters(modifier_rank=0) with rank 0's swap file on /dev/full."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
-    optimizer = _on_nvme(model, path, max_in_cpu=0)
+    model, optimizer, swap = _two_units_on_nvme(path)
     if rank == 0:
         # Every descriptor of the open swap file now writes to /dev/full
         # (ENOSPC), as a disk that fills up would; reads give zeros.
-        swap = os.path.join(optimizer.nvme_stats()["parameters"]["directory"], "parameters.swap")
         full = os.open("/dev/full", os.O_RDWR)
         replaced = 0
         for fd in os.listdir("/proc/self/fd"):
