@@ -1,104 +1,58 @@
 """Builds the zeroshard Python package and its C++ extension (zeroshard._C).
 
 Build against the torch already installed (no build isolation), e.g.
-``pip install --no-build-isolation -e .`` or ``python setup.py build_ext --inplace``.
+``pip install --no-build-isolation -e .`` or ``python setup.py build_ext --inplace``;
+needs CMake and Ninja (scripts/ensure_env.sh installs both).
 """
 
-import glob
 import os
-import platform
-import shlex
-import shutil
 import subprocess
+import sys
 
-import torch
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-# io_uring for the NVMe tier (Debian's liburing-dev, installed by
-# scripts/ensure_env.sh); without it the I/O engine uses its thread pool.
-LIBURING = os.path.exists("/usr/include/liburing.h")
-
-# The host optimizer kernel is compiled once per CPU capability, with the
-# flags ATen uses for its own variants; the right one is picked at run time
-# (csrc/offload/host_optimizer_kernel.cpp). CMakeLists.txt has the same table.
-HOST_KERNEL_SOURCE = "csrc/offload/cpu/host_optimizer_kernel_impl.cpp"
-HOST_KERNEL_VARIANTS = {"DEFAULT": []}
-if X86:
-    HOST_KERNEL_VARIANTS["AVX2"] = ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
-    HOST_KERNEL_VARIANTS["AVX512"] = [
-        "-DCPU_CAPABILITY_AVX512",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-        "-mf16c",
-    ]
+BUILD_DIR = os.path.join(ROOT, "build", "cmake")
 
 
-def core_sources() -> list[str]:
-    """C++ sources of the core plus the bindings; the Gloo factory is C++-only."""
-    patterns = [
-        "csrc/layout/*.cpp",
-        "csrc/comm/communicator.cpp",
-        "csrc/comm/rank_health.cpp",
-        "csrc/optim/*.cpp",
-        "csrc/grads/*.cpp",
-        "csrc/params/*.cpp",
-        "csrc/config/*.cpp",
-        "csrc/precision/*.cpp",
-        "csrc/engine/*.cpp",
-        "csrc/estimator/*.cpp",
-        "csrc/optimizer/*.cpp",
-        "csrc/offload/*.cpp",
-        "csrc/checkpoint/*.cpp",
-        "csrc/io/*.cpp",
-        "csrc/bindings/*.cpp",
-    ]
-    sources: list[str] = []
-    for pattern in patterns:
-        sources += sorted(glob.glob(pattern, root_dir=ROOT))
-    return sources
+class CMakeBuild(build_ext):
+    """Builds zeroshard._C with CMakeLists.txt, the one build description.
 
+    The extension holds the bindings only and links the core library, which
+    CMake places next to it; scripts/build.sh uses the same build folder, so
+    the core compiles once for the C++ tests, the example and Python.
+    """
 
-class BuildWithHostKernels(BuildExtension):
-    """Compiles the host kernel's per-capability objects, then the extension."""
+    def build_extension(self, ext: Extension) -> None:
+        import torch  # the torch this build is for (no build isolation)
 
-    def build_extensions(self) -> None:
-        out_dir = os.path.join(ROOT, "build", "host_kernels")
-        os.makedirs(out_dir, exist_ok=True)
-        compiler = shlex.split(os.environ.get("CXX", "g++"))
-        if shutil.which("ccache") and "ccache" not in compiler[0]:
-            compiler = ["ccache", *compiler]
-        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        objects = []
-        for capability, flags in HOST_KERNEL_VARIANTS.items():
-            obj = os.path.join(out_dir, f"host_optimizer_kernel_{capability}.o")
-            includes = [f"-I{p}" for p in [os.path.join(ROOT, "csrc", "include"), *include_paths()]]
-            command = [
-                *compiler,
-                "-std=c++17",
-                "-O3",
-                "-fPIC",
-                "-fvisibility=hidden",
-                "-fopenmp",  # at::parallel_for is OpenMP in torch's builds
-                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                f"-DCPU_CAPABILITY={capability}",
-                *flags,
-                *includes,
-                "-c",
-                os.path.join(ROOT, HOST_KERNEL_SOURCE),
-                "-o",
-                obj,
+        package_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
+        os.makedirs(package_dir, exist_ok=True)
+        configure = [
+            "cmake",
+            "-S",
+            ROOT,
+            "-B",
+            BUILD_DIR,
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            "-DZEROSHARD_BUILD_PYTHON=ON",
+            f"-DZEROSHARD_PYTHON_PACKAGE_DIR={package_dir}",
+        ]
+        if not os.path.exists(os.path.join(BUILD_DIR, "CMakeCache.txt")):
+            # A first build for Python alone: no GoogleTest needed.
+            configure += [
+                "-G",
+                "Ninja",
+                "-DZEROSHARD_BUILD_TESTS=OFF",
+                "-DZEROSHARD_BUILD_EXAMPLES=OFF",
             ]
-            subprocess.check_call(command)
-            objects.append(obj)
-        for ext in self.extensions:
-            ext.extra_objects = [*ext.extra_objects, *objects]
-        super().build_extensions()
+        subprocess.check_call(configure)
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(
+            ["cmake", "--build", BUILD_DIR, "--target", "zeroshard_python", "-j", jobs]
+        )
 
 
 setup(
@@ -107,21 +61,8 @@ setup(
     description="ZeRO stages 1-3 as a C++ LibTorch extension with a thin Python layer",
     package_dir={"": "python"},
     packages=["zeroshard"],
-    ext_modules=[
-        CppExtension(
-            name="zeroshard._C",
-            sources=core_sources(),
-            include_dirs=[os.path.join(ROOT, "csrc", "include")],
-            extra_compile_args={"cxx": ["-O2", "-fvisibility=hidden"]},
-            define_macros=[
-                ("ZEROSHARD_HOST_KERNELS_X86", "1" if X86 else "0"),
-                ("ZEROSHARD_WITH_LIBURING", "1" if LIBURING else "0"),
-            ],
-            libraries=["uring"] if LIBURING else [],
-            extra_link_args=["-fopenmp"],
-        )
-    ],
-    cmdclass={"build_ext": BuildWithHostKernels.with_options(use_ninja=True)},
+    ext_modules=[Extension("zeroshard._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
 )

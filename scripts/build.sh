@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
-# Builds the Python extension in place (python/zeroshard/_C*.so) and the C++
-# library, tests and example with CMake (build/cmake). Incremental.
+# Builds everything with CMake in build/cmake: the core library (for LibTorch
+# programs), the Python extension (python/zeroshard/_C*.so, next to the core
+# library it links), the C++ tests and the example. The core compiles once for
+# all of them. ZEROSHARD_PYTHON_ONLY=1 builds the extension alone. Incremental.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh
 mkdir -p build
 
-# A failed compile must fail here: an older _C*.so left in place would
-# otherwise run the tests against stale code.
-"$PYTHON" setup.py -q build_ext --inplace >build/setup.log 2>&1 || {
-  grep -vE "^(running|copying|ccache g\+\+|\[[0-9]+/[0-9]+\])" build/setup.log | tail -60
-  echo "[zeroshard] building the Python extension failed (full log: build/setup.log)"
-  exit 1
-}
-ls python/zeroshard/_C*.so >/dev/null
-
-if [ "${ZEROSHARD_SKIP_CMAKE:-0}" != "1" ]; then
-  prefix=$("$PYTHON" -c "import torch; print(torch.utils.cmake_prefix_path)")
-  if [ ! -f build/cmake/build.ninja ]; then
-    cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >build/cmake-configure.log 2>&1 \
-      || { cat build/cmake-configure.log; exit 1; }
-  fi
-  cmake --build build/cmake -j "${MAX_JOBS}"
-fi
+prefix=$("$PYTHON" -c "import torch; print(torch.utils.cmake_prefix_path)")
+cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
+  -DPython3_EXECUTABLE="$(command -v "$PYTHON")" -DZEROSHARD_BUILD_PYTHON=ON \
+  -DZEROSHARD_PYTHON_PACKAGE_DIR="$PWD/python/zeroshard" \
+  -DZEROSHARD_BUILD_TESTS=ON -DZEROSHARD_BUILD_EXAMPLES=ON \
+  >build/cmake-configure.log 2>&1 || { cat build/cmake-configure.log; exit 1; }
+targets=()
+[ "${ZEROSHARD_PYTHON_ONLY:-0}" = "1" ] && targets=(--target zeroshard_python)
+# A failed compile fails here: an older _C*.so left in place would otherwise
+# run the tests against stale code.
+cmake --build build/cmake -j "${MAX_JOBS}" "${targets[@]}"
+ls python/zeroshard/_C*.so python/zeroshard/libzeroshard.so >/dev/null

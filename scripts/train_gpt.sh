@@ -4,7 +4,7 @@
 # e.g. `bash scripts/train_gpt.sh --steps 50 --stage 1`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ZEROSHARD_SKIP_CMAKE=1 bash scripts/build.sh
+ZEROSHARD_PYTHON_ONLY=1 bash scripts/build.sh
 source scripts/ensure_env.sh
 NPROC="${NPROC:-2}"
 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
