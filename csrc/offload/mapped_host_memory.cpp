@@ -179,18 +179,22 @@ struct HostBufferPool::State {
     }
   }
 
-  // Unmaps every held mapping; with `close`, later frees unmap too.
-  void release(bool close) {
+  // Unmaps every held mapping and returns their bytes; with `close`, later
+  // frees unmap too.
+  size_t release(bool close) {
     std::multimap<size_t, void*> held;
+    size_t released = 0;
     {
       std::lock_guard<std::mutex> lock(mutex);
       held.swap(free);
+      released = cached_bytes;
       cached_bytes = 0;
       closed = closed || close;
     }
     for (const auto& [bytes, address] : held) {
       ::munmap(address, bytes);
     }
+    return released;
   }
 };
 
@@ -231,6 +235,6 @@ int64_t HostBufferPool::cached_bytes() const {
   return static_cast<int64_t>(state_->cached_bytes);
 }
 
-void HostBufferPool::clear() { state_->release(/*close=*/false); }
+int64_t HostBufferPool::clear() { return static_cast<int64_t>(state_->release(/*close=*/false)); }
 
 }  // namespace zeroshard

@@ -380,13 +380,7 @@ int64_t ZeroOptimizer::optimizer_state_bytes() const {
   return bytes;
 }
 
-at::Tensor ZeroOptimizer::step(LossClosure closure) {
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  at::NoGradGuard no_grad;
+void ZeroOptimizer::check_groups_fixed() const {
   // torch::optim::Optimizer::add_param_group is not virtual: a group added
   // after construction has no place in the partition layout.
   TORCH_CHECK(param_groups_.size() == layout_->groups().size(), "ZeroOptimizer has ",
@@ -394,6 +388,16 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
               layout_->groups().size(),
               ": groups cannot be added after construction (the partition layout is fixed); pass "
               "every group to the constructor");
+}
+
+at::Tensor ZeroOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  check_groups_fixed();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     // Hyper-parameters may have been edited since the last step (schedulers).
     validate_inner_options(inner_kind_, param_groups_[g].options());

@@ -101,6 +101,7 @@ std::string read_latest_tag(const std::string& dir) {
 
 LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
                                                 const CheckpointLoadOptions& options) {
+  check_groups_fixed();
   // An asynchronous save still being written: its failure is reported through
   // the agreement below, so every rank raises together.
   std::string error = finish_pending_checkpoint();

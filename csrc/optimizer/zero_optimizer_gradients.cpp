@@ -271,21 +271,30 @@ void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
   }
 }
 
+std::vector<Communicator*> ZeroOptimizer::communicators() const {
+  std::vector<Communicator*> all;
+  for (Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
+    if (comm) {
+      all.push_back(comm);
+    }
+  }
+  return all;
+}
+
 int64_t ZeroOptimizer::cached_buffer_bytes() const {
   int64_t bytes = buckets_->cached_bytes();
-  for (const Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
-    bytes += comm ? comm->cached_bytes() : 0;
+  for (const Communicator* comm : communicators()) {
+    bytes += comm->cached_bytes();
   }
   return bytes;
 }
 
 int64_t ZeroOptimizer::release_cached_buffers() {
-  const int64_t bytes = cached_buffer_bytes();
-  buckets_->release_cached_buffers();
-  for (Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
-    if (comm) {
-      comm->release_cached_buffers();
-    }
+  // What each pool unmapped, counted as it is unmapped: a buffer freed
+  // between a count and the release would otherwise go uncounted.
+  int64_t bytes = buckets_->release_cached_buffers();
+  for (Communicator* comm : communicators()) {
+    bytes += comm->release_cached_buffers();
   }
   return bytes;
 }

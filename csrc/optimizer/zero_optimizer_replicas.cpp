@@ -43,6 +43,12 @@ std::string ZeroOptimizer::agreed_error(const std::string& local_error, const st
     agreed = checkpoint_detail::combined_error(
         checkpoint_detail::all_gather_strings(*replica_comm_, agreed, device_, "replicas/" + tag));
   }
+  // An expert-parallel peer of a failed rank would otherwise wait for it in
+  // the next collective until the timeout.
+  if (tensor_parallel_comm_) {
+    agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
+        *tensor_parallel_comm_, agreed, device_, "tensor_parallel/" + tag));
+  }
   return agreed;
 }
 
@@ -79,6 +85,7 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
 }
 
 void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
+  check_groups_fixed();
   if (!replica_comm_) {
     save_checkpoint_shards(path, options);
     return;
@@ -108,11 +115,7 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   }
   // Agreed by every rank (shard, replicate and tensor-parallel groups) before
   // any of them enters the save's own agreements.
-  std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
-  if (tensor_parallel_comm_) {
-    refused = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
-        *tensor_parallel_comm_, refused, device_, "tensor_parallel/checkpoint_rank_file_names"));
-  }
+  const std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
   TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
   std::string error;
   if (replica_comm_->rank() == 0) {

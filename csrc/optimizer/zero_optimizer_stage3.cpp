@@ -61,6 +61,7 @@ void ZeroOptimizer::raise_agreed_write_error(std::string error, const std::strin
 }
 
 std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
+  check_groups_fixed();
   TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
                     comm_->world_size(), "), got ", rank);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);

@@ -5,6 +5,7 @@
 
 #ifdef ZEROSHARD_WITH_GLOO
 #include "rank_threads.h"
+#include "temp_directory.h"
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -17,6 +18,7 @@
 #include <torch/csrc/api/include/torch/serialize/output-archive.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -419,14 +421,34 @@ TEST(ZeroOptimizerErrorsTest, DuplicateParameterAndBadStageFailOnEveryRank) {
 
 TEST(ZeroOptimizerErrorsTest, GroupAddedAfterConstructionFailsTheStepOnEveryRank) {
   // torch::optim::Optimizer::add_param_group is not virtual, so the layout
-  // cannot refuse it; the step must, before any collective.
+  // cannot refuse it; the step, saving, loading and gathering the full
+  // parameters must, before any collective (an out-of-range index or a hang
+  // otherwise).
+  TempDirectory dir;
+  std::atomic<int> refused{0};
   auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     TinyModel model(0);
     ZeroOptimizer optimizer(std::vector<at::Tensor>{model.params[0], model.params[1]}, pg,
                             torch::optim::AdamWOptions(1e-3));
     optimizer.add_param_group(torch::optim::OptimizerParamGroup({model.params[2]}));
+    const std::vector<std::function<void()>> entry_points = {
+        [&] { optimizer.save_checkpoint(dir.path() + "/ckpt"); },
+        [&] { optimizer.load_checkpoint(dir.path() + "/ckpt"); },
+        [&] { optimizer.full_parameters(); },
+    };
+    for (const auto& entry_point : entry_points) {
+      try {
+        entry_point();
+      } catch (const c10::Error& e) {
+        const std::string message = e.what_without_backtrace();
+        EXPECT_NE(message.find("2 parameter groups but was built with 1"), std::string::npos)
+            << message;
+        ++refused;
+      }
+    }
     optimizer.step();
   });
+  EXPECT_EQ(refused.load(), 6);
   ASSERT_EQ(errors.size(), 2u);
   for (const auto& error : errors) {
     EXPECT_NE(error.find("2 parameter groups but was built with 1"), std::string::npos) << error;

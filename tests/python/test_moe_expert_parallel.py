@@ -368,3 +368,50 @@ def test_moe_checkpoint_resumes_and_loads_at_another_expert_parallel_degree(
         worst = max((v - expected[n]).abs().max().item() for n, v in other[rank]["params"].items())
         print(f"stage {stage} rank {rank}: resumed at expert parallel 1, max abs diff {worst:.3e}")
         assert worst <= TOLERANCE, (rank, worst)
+
+
+def _damaged_expert_swap(rank: int, world_size: int, path: str) -> str:
+    """Experts' optimizer state on NVMe; rank 0's swap file truncated after a step."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    ep_rank = mesh["ep"].get_local_rank()
+    model = Net([2 * ep_rank, 2 * ep_rank + 1])
+    experts = _stage2_experts(
+        model.experts.parameters(),
+        mesh,
+        world_size,
+        offload_optimizer={"device": "nvme", "nvme_path": path},
+        sub_group_size=64,
+    )
+
+    def step(number: int) -> None:
+        x, y = batch(number)
+        per = TOKENS // WORLD
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        experts.zero_grad()
+        out, _ = model(x, mesh["ep"].get_group())
+        (out - y).pow(2).mean().backward()
+        experts.step()
+
+    step(0)
+    if rank == 0:
+        os.truncate(os.path.join(experts.nvme_stats()["directory"], "optimizer.swap"), 0)
+    try:
+        step(1)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_failed_nvme_read_on_one_expert_rank_is_an_error_on_every_rank(tmp_path) -> None:
+    # Rank 0's expert-data-parallel peer (rank 2) learns of the failure in the
+    # shard group's agreement; its expert-parallel peers (ranks 1 and 3) only
+    # in the expert-parallel leg, without which they would step on and wait
+    # for rank 0 in the next collective until the timeout.
+    for rank, message in enumerate(run_ranks(WORLD, _damaged_expert_swap, str(tmp_path))):
+        print(f"rank {rank}: {message}")
+        assert "could not update the optimizer state or parameters on NVMe" in message, message
+        assert "optimizer.swap" in message and "met the end of the file" in message, message

@@ -126,7 +126,7 @@ class Communicator {
   void set_reduce_scatter_all_to_all(bool enabled) { all_to_all_reduce_scatter_ = enabled; }
   // The all-to-all reduce-scatter's receive rows held for the next call.
   int64_t cached_bytes() const { return receive_buffers_.cached_bytes(); }
-  void release_cached_buffers() { receive_buffers_.clear(); }
+  int64_t release_cached_buffers() { return receive_buffers_.clear(); }
   // output = concatenation over ranks of input.
   PendingCollective all_gather(at::Tensor& output, at::Tensor& input, const std::string& tag);
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);

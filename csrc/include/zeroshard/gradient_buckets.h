@@ -70,7 +70,7 @@ class GradientBuckets {
 
   // Staging and output mappings freed and held for the next round.
   int64_t cached_bytes() const { return buffer_pool_.cached_bytes(); }
-  void release_cached_buffers() { buffer_pool_.clear(); }
+  int64_t release_cached_buffers() { return buffer_pool_.clear(); }
 
   // Waits for every launched bucket and adds its result into the shards.
   void wait_all();

@@ -63,8 +63,9 @@ class HostBufferPool {
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Bytes of freed mappings held for reuse.
   int64_t cached_bytes() const;
-  // Unmaps what it holds (ZeroOptimizer::release_cached_buffers).
-  void clear();
+  // Unmaps what it holds and returns its bytes
+  // (ZeroOptimizer::release_cached_buffers).
+  int64_t clear();
 
   struct State;  // shared with the buffers' deleters
 

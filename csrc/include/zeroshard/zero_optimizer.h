@@ -309,8 +309,14 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // An error found on some ranks of either group raised on every rank.
   void raise_if_any_rank_failed(const std::string& local_error, const std::string& what);
   // Every rank's error ("" for none) combined over the shard group, then
-  // across replicas: the same string on every rank.
+  // across replicas, then across the tensor-/expert-parallel group: the same
+  // string on every rank.
   std::string agreed_error(const std::string& local_error, const std::string& tag);
+  // The shard, replica and tensor-parallel communicators this optimizer has.
+  std::vector<Communicator*> communicators() const;
+  // A group added after construction (C++ add_param_group is not virtual)
+  // has no place in the partition layout: an error, before any collective.
+  void check_groups_fixed() const;
   // Replica 0's values on every replica (after the shard group's broadcast).
   void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag);
   void max_across_replicas(at::Tensor& tensor, const std::string& tag);
