@@ -6,6 +6,7 @@ needs CMake and Ninja (scripts/ensure_env.sh installs both).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +54,16 @@ class CMakeBuild(build_ext):
         subprocess.check_call(
             ["cmake", "--build", BUILD_DIR, "--target", "zeroshard_python", "-j", jobs]
         )
+
+    def copy_extensions_to_source(self) -> None:
+        # setuptools copies only the extension into the source tree (--inplace,
+        # editable installs); the core library it links through $ORIGIN goes
+        # beside it.
+        super().copy_extensions_to_source()
+        built = os.path.abspath(os.path.join(self.build_lib, "zeroshard"))
+        source_dir = os.path.join(ROOT, "python", "zeroshard")
+        if built != os.path.abspath(source_dir):
+            shutil.copy2(os.path.join(built, "libzeroshard.so"), source_dir)
 
 
 setup(
