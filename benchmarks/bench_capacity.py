@@ -136,6 +136,60 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
     dist.destroy_process_group()
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def deepspeed_lines(
+    theirs: dict[str, Any], ours: list[dict[str, Any]], args: argparse.Namespace
+) -> list[str]:
+    """The DeepSpeed rows, and the two side by side on the steps both ran."""
+    lines = [
+        "## DeepSpeed 0.19.8 with the same configuration, on the same machine in the same run",
+        "",
+        '`deepspeed.zero.Init(remote_device="nvme")` (partitioned construction), bf16, '
+        "AdamW (DeepSpeedCPUAdam), `offload_optimizer` and `offload_param` on NVMe "
+        f"(max_in_cpu 0), sub_group_size {args.sub_group_size:,}, buffer_count "
+        f"{args.buffer_count}, the same `aio` section and batches "
+        "(benchmarks/capacity_deepspeed.py)."
+        + (f" Construction took {theirs['setup']:.0f} s." if theirs["setup"] is not None else ""),
+        "",
+    ]
+    rows = theirs["rows"][0]
+    if rows:
+        lines += [
+            "| step | loss | forward+backward (s) | optimizer step (s) | "
+            "peak RSS rank 0 / 1 (GiB) |",
+            "|---|---|---|---|---|",
+        ]
+        other = theirs["rows"][1]
+        for i, row in enumerate(rows):
+            rss1 = f"{other[i]['rss_peak']:.2f}" if i < len(other) else "n/a"
+            lines.append(
+                f"| {i} | {row['loss']:.4f} | {row['compute']:.1f} | {row['step']:.1f} | "
+                f"{row['rss_peak']:.2f} / {rss1} |"
+            )
+        lines.append("")
+    if theirs["error"]:
+        lines += [f"DeepSpeed stopped: {theirs['error']}", ""]
+    both = min(len(rows), len(ours))
+    if both:
+        # Step 0 pays for first-touch and (DeepSpeed) tracing: compare the later steps.
+        skip = 1 if both > 1 else 0
+        ds = _median([r["compute"] + r["step"] for r in rows[skip:both]])
+        zs = _median([r["compute"] + r["step"] for r in ours[skip:both]])
+        ds_rss = max(r["rss_peak"] for r in rows[:both])
+        zs_rss = max(r["rss_peak"] for r in ours[:both])
+        lines += [
+            f"Side by side over steps {skip}-{both - 1}: median time per step (forward+backward+"
+            f"optimizer) zeroshard {zs:.1f} s, DeepSpeed {ds:.1f} s (zeroshard/DeepSpeed "
+            f"{zs / ds:.2f}); peak RSS rank 0 zeroshard {zs_rss:.2f} GiB, DeepSpeed "
+            f"{ds_rss:.2f} GiB.",
+            "",
+        ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=26)
@@ -151,8 +205,16 @@ def main() -> None:
     parser.add_argument(
         "--offload-param", choices=["none", "nvme"], default="none", help="parameter shards too"
     )
+    parser.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="then DeepSpeed 0.19 with the same configuration (needs --offload-param nvme)",
+    )
+    parser.add_argument("--deepspeed-deadline", type=int, default=1200, help="seconds")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "capacity.md"))
     args = parser.parse_args()
+    if args.deepspeed and args.offload_param != "nvme":
+        parser.error("--deepspeed compares the full ZeRO-Infinity setup: add --offload-param nvme")
     world = 2
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -215,6 +277,10 @@ def main() -> None:
         f"ranks {16 * psi / 2**30:.1f} GiB, against {ram / 2**30:.1f} GiB).",
         "",
     ]
+    if args.deepspeed:
+        import capacity_deepspeed
+
+        lines += deepspeed_lines(capacity_deepspeed.run(args, world), r0["rows"], args)
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
