@@ -479,6 +479,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("end_initialization", &ZeroOptimizer::end_initialization, py::arg("params"),
            py::call_guard<py::gil_scoped_release>())
+      .def("finish_initialization", &ZeroOptimizer::finish_initialization, py::arg("local_error"),
+           py::call_guard<py::gil_scoped_release>())
       .def("parameter_bytes", &ZeroOptimizer::parameter_bytes)
       .def("gathered_parameter_bytes", &ZeroOptimizer::gathered_parameter_bytes)
       .def("peak_gathered_parameter_bytes", &ZeroOptimizer::peak_gathered_parameter_bytes)

@@ -255,6 +255,15 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
   raise_agreed_write_error(std::move(write_error), "the initialized parameters");
 }
 
+void ZeroOptimizer::finish_initialization(const std::string& local_error) {
+  TORCH_CHECK(gatherer_, "finish_initialization is for stage 3 partitioned construction");
+  const std::string agreed = agreed_error(local_error, "initialization");
+  TORCH_CHECK_VALUE(agreed.empty(), "partitioned construction: initializing the parameters failed ",
+                    agreed,
+                    "; fix the initializer (param_init_fn or reset_parameters) and construct "
+                    "again");
+}
+
 int64_t ZeroOptimizer::parameter_bytes() const {
   int64_t bytes = gathered_parameter_bytes();
   if (param_swapper_) {  // what stays in host memory; the rest is on disk

@@ -320,6 +320,12 @@ def materialize(
                 )
     impl.adopt_parameters([group["params"] for group in param_groups])  # type: ignore[attr-defined]
     init = param_init_fn or _default_init
+    # An initializer that fails on some ranks only (a bad shape on one rank,
+    # an RNG-dependent check) must not leave the others to train or to wait:
+    # the failed rank stops initializing but keeps the per-module collectives
+    # going, and finish_initialization raises on every rank.
+    failure = ""
+    original: BaseException | None = None
     with torch.no_grad():
         for module in _apply_order(model):
             direct = _direct_params(module)
@@ -327,6 +333,14 @@ def materialize(
                 continue
             impl.begin_initialization(direct)  # type: ignore[attr-defined]
             try:
-                init(module)
+                if not failure:
+                    init(module)
+            except Exception as error:  # noqa: BLE001 - agreed across ranks below
+                failure = f"in {type(module).__name__}: {type(error).__name__}: {error}"
+                original = error
             finally:
                 impl.end_initialization(direct)  # type: ignore[attr-defined]
+    try:
+        impl.finish_initialization(failure)  # type: ignore[attr-defined]
+    except ValueError as agreed:
+        raise agreed from original

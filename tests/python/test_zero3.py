@@ -473,6 +473,40 @@ def test_partitioned_construction_equals_full_construction_then_apply_init() -> 
         assert torch.equal(full[name], value), name
 
 
+def _init_fails_on_rank1(rank: int, world_size: int) -> dict[str, Any]:
+    def init(module: nn.Module) -> None:
+        if rank == 1 and isinstance(module, nn.LayerNorm):
+            raise RuntimeError("rank 1's initializer refuses LayerNorm")
+        gpt_init(module)
+
+    with torch.device("meta"):
+        model = make_gpt(seed=0)
+    try:
+        zeroshard.ZeroOptimizer(
+            model.parameters(), "sgd", stage=3, module=model, param_init_fn=init, lr=0.1
+        )
+    except ValueError as error:
+        cause = error.__cause__
+        # The ranks are still in step: a collective after the error completes.
+        torch.distributed.barrier()
+        return {"message": str(error), "cause": repr(cause) if cause else None}
+    return {"message": None, "cause": None}
+
+
+def test_partitioned_construction_initializer_failing_on_one_rank_fails_every_rank() -> None:
+    # Without the agreement rank 0 would finish construction and train, and
+    # wait in its first collective for rank 1 until the process group's timeout.
+    results = unwrap(run_ranks(3, _init_fails_on_rank1, timeout=120))
+    named = "rank 1: in LayerNorm: RuntimeError: rank 1's initializer refuses LayerNorm"
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r['message']}")
+        assert r["message"] is not None, f"rank {rank} constructed the optimizer"
+        assert "initializing the parameters failed" in r["message"], r["message"]
+        assert named in r["message"], r["message"]
+    assert "refuses LayerNorm" in results[1]["cause"]  # the original error, chained
+    assert results[0]["cause"] is None and results[2]["cause"] is None
+
+
 LAYERS, WIDTH = 16, 1536  # 37.8M parameters, 151 MB in fp32
 
 

@@ -272,6 +272,13 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // end_initialization keeps this rank's slices and releases the storage.
   void begin_initialization(const std::vector<at::Tensor>& params);
   void end_initialization(const std::vector<at::Tensor>& params);
+  // Collective, once after the last end_initialization: `local_error` is
+  // this rank's initializer failure ("" for none). Any rank's is raised on
+  // every rank (naming the rank), so no rank goes on to train, or to wait in
+  // its first collective, beside one that stopped. A rank whose initializer
+  // failed keeps calling begin/end_initialization for the remaining modules
+  // so the collectives stay matched.
+  void finish_initialization(const std::string& local_error);
 
   // Bytes of parameter storage held now: the parameter shards (stage 3), the
   // gathered buffers (every stage), and the peak of the latter since reset.
