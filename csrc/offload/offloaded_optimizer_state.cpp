@@ -90,26 +90,25 @@ OffloadedOptimizerState::OffloadedOptimizerState(const StatePlacement& placement
   }
 }
 
-void OffloadedOptimizerState::initialize_group(size_t g, const at::Tensor& master) {
-  at::NoGradGuard no_grad;
+void OffloadedOptimizerState::prepare_group(size_t g) {
   groups_[g].clear();
   size_t swap_index = first_swap_index_.at(g);
   for (const SubGroup& where : placement_.sub_groups(g)) {
     SubGroupState state{where, {}, 0};
     if (on_nvme(state)) {
       state.swap_index = swap_index++;
-      swapper_->write(state.swap_index, 0, 0, master.narrow(0, where.offset, where.numel));
-      for (int64_t slot = 1; slot < swapper_->states_per_sub_group(); ++slot) {
+      for (int64_t slot = 0; slot < swapper_->states_per_sub_group(); ++slot) {
         swapper_->drop(state.swap_index, slot);
       }
-      groups_[g].push_back(std::move(state));
-      continue;
     }
-    at::Tensor& values = state.tensors[index_of(OptimizerStateName::kMaster)];
-    values = at::empty({where.numel}, placement_.options(where.tier, at::kFloat));
-    values.copy_(master.narrow(0, where.offset, where.numel));
     groups_[g].push_back(std::move(state));
   }
+}
+
+void OffloadedOptimizerState::initialize_group(size_t g, const at::Tensor& master) {
+  at::NoGradGuard no_grad;
+  prepare_group(g);
+  write(g, OptimizerStateName::kMaster, 0, master);
 }
 
 void OffloadedOptimizerState::check_swap_room(size_t g, OptimizerStateName name) const {

@@ -75,10 +75,13 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   const bool meta = params[0].is_meta();
   // offload_param: the shard lives on the host ('cpu': gathers copy it over
   // first) or in the parameter swap file ('nvme').
-  at::Tensor initial_master;  // with the swap file: the fp32 master's first values
-  if (param_swapper_) {
-    initial_master = at::empty({layout.shard_numel()}, fp32_options().device(c10::kCPU));
-  } else {
+  if (offloaded_) {
+    // The fp32 master is written bucket by bucket below: a whole fp32 copy of
+    // the shard would be the construction's peak (4 bytes per shard element,
+    // twice the bf16 parameter shard that NVMe keeps out of memory).
+    offloaded_->prepare_group(g);
+  }
+  if (!param_swapper_) {
     shard.param_shard =
         at::zeros({layout.shard_numel()},
                   placement_->options(placement_->parameter_tier(),
@@ -106,9 +109,11 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
     const at::Tensor mine = full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel);
     if (param_swapper_) {
       param_swapper_->write(g, bucket.shard_offset, mine);
-      initial_master.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
     } else {
       shard.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+    }
+    if (offloaded_) {
+      offloaded_->write(g, OptimizerStateName::kMaster, bucket.shard_offset, mine);
     }
     for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
       const ParamSlot& slot = layout.slots()[s];
@@ -138,11 +143,7 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
       }
     }
   }
-  if (param_swapper_) {
-    offloaded_->initialize_group(g, initial_master);
-  } else if (offloaded_) {
-    offloaded_->initialize_group(g, shard.param_shard.to(at::kFloat));
-  } else if (shard.param_options.dtype() != at::kFloat) {
+  if (!offloaded_ && shard.param_options.dtype() != at::kFloat) {
     shard.master = shard.param_shard.to(at::kFloat);
   }
 }

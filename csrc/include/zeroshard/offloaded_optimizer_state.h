@@ -49,6 +49,10 @@ class OffloadedOptimizerState {
   // (optimizer_state_count). Calling it again adds moments that are missing
   // (amsgrad turned on) and keeps the rest.
   void initialize_group(size_t group, const at::Tensor& master);
+  // The same without values: the group's sub-groups hold no state until
+  // written, so the master can be written piece by piece (write) and the
+  // whole fp32 shard never needs to be in memory at once.
+  void prepare_group(size_t group);
   void ensure_moments(size_t group, int64_t state_count);
 
   bool has(size_t group, OptimizerStateName name) const;
