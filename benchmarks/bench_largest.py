@@ -305,6 +305,8 @@ def table_row(setting: str, predicted: dict[str, Any], result: dict[str, Any], f
         else "0 / 0"
     )
     outcome = result["error"] or f"trained {len(rows)} steps"
+    if result["setup"] is not None:
+        outcome += f" (construction {result['setup']:.0f} s)"
     which = "the estimator's largest" if first else "smaller"
     return (
         f"| {SETTINGS[setting]} | {predicted['depth']} ({which}) | "

@@ -218,13 +218,9 @@ def run_deepspeed(
         steady = times[1:] or times
         return {"step_seconds": sorted(steady)[len(steady) // 2], "swap_bytes": swap_bytes}
     except Exception as error:  # noqa: BLE001 - reported in the table
-        import traceback
+        from capacity_deepspeed import describe_error
 
-        message = str(error).strip().splitlines()
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        origin = f" (at {os.path.basename(where.filename)}:{where.lineno}: {where.line})"
-        text = f"{type(error).__name__}: {message[-1] if message else ''}{origin}"
-        return {"error": text[:400]}
+        return {"error": describe_error(error)}
 
 
 def main() -> None:

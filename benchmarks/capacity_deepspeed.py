@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """An exception in one line, with the line that raised it (for a table cell)."""
     lines = str(error).strip().splitlines()
     where = traceback.extract_tb(error.__traceback__)[-1]
     origin = f" (at {os.path.basename(where.filename)}:{where.lineno}: {where.line})"
@@ -126,7 +127,7 @@ def rank_main(
             out.put((rank, "row", row))
         out.put((rank, "done", None))
     except Exception as error:  # noqa: BLE001 - reported in the table
-        out.put((rank, "error", _describe(error)))
+        out.put((rank, "error", describe_error(error)))
 
 
 def run(args: argparse.Namespace, world: int) -> dict[str, Any]:
