@@ -114,14 +114,18 @@ def prediction(
         nvme_buffer_count=args.buffer_count,
         param_max_in_cpu=0,
         activation_bytes=activations,
+        host_device=True,  # Gloo on CPU tensors: the all-to-all receive buffers
     )
     return {
         "depth": depth,
         "params": n_params,
         "fits": fits,
         "decision": decision,
-        # choose_configuration's rule for a CPU device: both ranks' device bytes in RAM.
-        "host_bytes": row["cpu_bytes_per_node"] + WORLD * row["device_bytes"],
+        # choose_configuration's rule for a CPU device: both ranks' device bytes
+        # in RAM; and the ranks' own processes, which "auto" finds already
+        # running (see rank_baseline_bytes).
+        "host_bytes": row["cpu_bytes_per_node"]
+        + WORLD * (row["device_bytes"] + args.rank_baseline),
         "nvme_bytes": row["nvme_bytes_per_node"],
         "activations": activations,
     }
@@ -144,6 +148,31 @@ def largest_fitting(
     chosen = prediction(low, setting, args, host, disk)
     chosen["next"] = prediction(low + 1, setting, args, host, disk)
     return chosen
+
+
+def _baseline_main(init_file: str, out: Any) -> None:
+    import zeroshard  # noqa: F401 - what a rank has loaded before it builds the model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    out.put(_rss_bytes(os.getpid()))
+    dist.destroy_process_group()
+
+
+def rank_baseline_bytes() -> int:
+    """The RSS of a rank before its model: Python, torch, zeroshard, a process group.
+
+    A rank that resolves "auto" itself measures the memory free with every
+    rank already started; this benchmark decides in the parent before the
+    ranks exist, so it takes their baseline off the free memory first.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        process = ctx.Process(target=_baseline_main, args=(os.path.join(tmp, "rdv"), out))
+        process.start()
+        baseline = out.get(timeout=300)
+        process.join()
+    return baseline
 
 
 def rank_main(
@@ -345,11 +374,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "largest.md"))
     args = parser.parse_args()
 
-    host = _mem_available()
+    args.rank_baseline = rank_baseline_bytes()
+    available = _mem_available()
+    host = available - WORLD * args.rank_baseline
     disk = float(shutil.disk_usage(args.nvme_path).free) - args.disk_reserve * 1e9
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(
-        f"available: {host / 1e9:.2f} GB RAM, {disk / 1e9:.2f} GB at {args.nvme_path}", flush=True
+        f"available: {available / 1e9:.2f} GB RAM ({host / 1e9:.2f} GB after {WORLD} ranks' "
+        f"baseline), {disk / 1e9:.2f} GB at {args.nvme_path}",
+        flush=True,
     )
     lines = [
         "# The largest model this machine trains: the estimator's prediction and the run",
@@ -357,9 +390,17 @@ def main() -> None:
         f"`python benchmarks/bench_largest.py --nvme-path {args.nvme_path}` on "
         f"{platform.node() or 'this machine'} ({os.cpu_count()} cores, "
         f"{ram / 2**30:.1f} GiB RAM), torch {torch.__version__}. Free at the start: "
-        f"{host / 1e9:.2f} GB of RAM (MemAvailable), {disk / 1e9:.2f} GB of disk at "
+        f"{available / 1e9:.2f} GB of RAM (MemAvailable), {disk / 1e9:.2f} GB of disk at "
         f"`{args.nvme_path}` (after leaving {args.disk_reserve:.0f} GB to the rest of the "
-        "machine).",
+        f"machine). A rank's process before its model (Python, torch, zeroshard, a process "
+        f"group) is {args.rank_baseline / 1e9:.2f} GB of RSS: the fit is decided on the "
+        f"{host / 1e9:.2f} GB left after {WORLD} of them, as a rank resolving "
+        '"auto" itself would find it, and the predicted RAM includes them.',
+        "",
+        "Predicted RAM counts the model states, activations, the gradient buckets (3 of "
+        "the largest, a unit at stage 3, with their reduced shards and Gloo's all-to-all "
+        "receive buffers) and the gathered units (`zeroshard.estimate`'s `staging_bytes` "
+        "and `working_bytes`).",
         "",
         f"bench_capacity.py's GPT (width {args.width}, {args.heads} heads, vocabulary "
         f"{args.vocab}, {args.batch} x {args.context} tokens per rank), bf16 with fp32 master "

@@ -42,6 +42,7 @@ py::dict estimate_dict(const MemoryEstimate& e) {
   out["grad_bytes"] = e.grad_bytes;
   out["optimizer_bytes"] = e.optimizer_bytes;
   out["working_bytes"] = e.working_bytes;
+  out["staging_bytes"] = e.staging_bytes;
   out["activation_bytes"] = e.activation_bytes;
   out["device_bytes"] = e.device_bytes;
   out["cpu_bytes_per_node"] = e.cpu_bytes_per_node;
@@ -59,7 +60,8 @@ void bind_estimator(py::module_& m) {
          const std::string& offload_optimizer, const std::string& offload_param,
          double offload_ratio, double sub_group_size, int64_t nvme_buffer_count,
          double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
-         int64_t pipeline_parallel_size, double activation_bytes) {
+         int64_t pipeline_parallel_size, double activation_bytes, double reduce_bucket_size,
+         int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device) {
         return estimate_dict(zeroshard::estimate_memory(
             stage, estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                     precision, optimizer, offload_optimizer, offload_param,
@@ -67,7 +69,11 @@ void bind_estimator(py::module_& m) {
                                     param_max_in_cpu, param_buffer_count)
                        .tensor_parallel_size(tensor_parallel_size)
                        .pipeline_parallel_size(pipeline_parallel_size)
-                       .activation_bytes(activation_bytes)));
+                       .activation_bytes(activation_bytes)
+                       .reduce_bucket_size(reduce_bucket_size)
+                       .max_buckets_in_flight(max_buckets_in_flight)
+                       .prefetch_bucket_size(prefetch_bucket_size)
+                       .host_device(host_device)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
@@ -75,7 +81,9 @@ void bind_estimator(py::module_& m) {
       py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4,
       py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5,
       py::arg("tensor_parallel_size") = 1, py::arg("pipeline_parallel_size") = 1,
-      py::arg("activation_bytes") = 0.0);
+      py::arg("activation_bytes") = 0.0, py::arg("reduce_bucket_size") = 5e6,
+      py::arg("max_buckets_in_flight") = 2, py::arg("prefetch_bucket_size") = 5e7,
+      py::arg("host_device") = false);
   m.def(
       "estimate_activation_bytes",
       [](int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t sequence_length,

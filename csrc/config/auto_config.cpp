@@ -51,7 +51,11 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
           .sub_group_size(static_cast<double>(config.zero.sub_group_size()))
           .nvme_buffer_count(optimizer_offload.buffer_count())
           .param_max_in_cpu(static_cast<double>(param_offload.max_in_cpu()))
-          .param_buffer_count(param_offload.buffer_count());
+          .param_buffer_count(param_offload.buffer_count())
+          .reduce_bucket_size(static_cast<double>(config.zero.reduce_bucket_size()))
+          .max_buckets_in_flight(config.zero.max_buckets_in_flight())
+          .prefetch_bucket_size(static_cast<double>(config.zero.stage3_prefetch_bucket_size()))
+          .host_device(available.device_is_host && config.zero.gloo_reduce_scatter_all_to_all());
   FixedSettings fixed;
   if (!config.stage_auto) {
     fixed.stage = config.zero_stage;

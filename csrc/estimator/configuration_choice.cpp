@@ -133,7 +133,9 @@ Recommendation choose_configuration(const EstimateOptions& options,
     shortfall = name + " needs " + needs + ": short of " + missing;
   }
   const bool nvme_tried = nvme_allowed && (fixed.optimizer_nvme || fixed.param_nvme);
-  best.reason = "nothing fits: even " + shortfall + " (model states only; " +
+  best.reason = "nothing fits: even " + shortfall +
+                " (model states, gradient buckets, gathered units and, where given, "
+                "activations; " +
                 (nvme_tried ? std::string()
                             : "NVMe not tried: no nvme_path given, or not a directory on "
                               "every rank; ") +

@@ -149,8 +149,26 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   estimate.param_bytes = per.param * psi / (stage >= 3 ? n : 1);
   estimate.grad_bytes = per.grad * psi / (stage >= 2 ? n : 1);
   estimate.optimizer_bytes = per.optimizer * psi / (stage >= 1 ? n : 1);
-  if (stage == 3) {
-    estimate.working_bytes = (per.param + per.grad) * largest;
+  if (stage == 3 && largest > 0) {
+    // The gatherer prefetches whole units while they fit in the prefetch
+    // window: with units of the largest size, floor(window / largest) of
+    // them, and never more than the rest of the model.
+    const double prefetched =
+        std::min(std::floor(options.prefetch_bucket_size() / largest) * largest,
+                 std::max(0.0, psi - largest));
+    estimate.working_bytes = per.param * (largest + prefetched);
+  }
+  if (stage >= 1) {
+    TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1 && options.max_buckets_in_flight() >= 1,
+                      "reduce_bucket_size and max_buckets_in_flight must be >= 1, got ",
+                      options.reduce_bucket_size(), " and ", options.max_buckets_in_flight());
+    // A unit is never split across buckets; other parameters are cut by size.
+    const double bucket =
+        std::max(stage == 3 ? largest : 0.0, std::min(options.reduce_bucket_size(), psi));
+    const double in_flight = static_cast<double>(options.max_buckets_in_flight());
+    const double receive = options.host_device() ? in_flight * bucket : 0;
+    estimate.staging_bytes =
+        per.grad * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
   }
   auto offload = [&](OffloadDevice device, double& bytes) {
     const double per_node = bytes * static_cast<double>(options.ranks_per_node());
@@ -217,7 +235,8 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
                     options.activation_bytes());
   estimate.activation_bytes = options.activation_bytes();
   estimate.device_bytes = estimate.activation_bytes + estimate.param_bytes + estimate.grad_bytes +
-                          estimate.optimizer_bytes + estimate.working_bytes;
+                          estimate.optimizer_bytes + estimate.working_bytes +
+                          estimate.staging_bytes;
   return estimate;
 }
 

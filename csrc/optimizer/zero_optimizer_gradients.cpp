@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_map>
 
@@ -239,7 +240,11 @@ at::Tensor ZeroOptimizer::gradient_norm() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     const GroupShards& shard = shards_[g];
     if (!tensor_parallel_comm_) {
-      squares[1].add_(shard.grad_shard.to(at::kFloat).pow(2).sum());
+      const int64_t numel = shard.grad_shard.numel();
+      for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
+        const int64_t length = std::min(kWidenedGradientChunk, numel - done);
+        squares[1].add_(shard.grad_shard.narrow(0, done, length).to(at::kFloat).pow(2).sum());
+      }
       continue;
     }
     for (const ShardSegment& segment : shard.segments) {

@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -28,10 +29,11 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
         shard.steps[i] += 1;
       }
     }
-    // With offload the gradient stays as reduced until the host copy.
-    at::Tensor grad32 = offloaded_ || shard.grad_shard.scalar_type() == at::kFloat
-                            ? shard.grad_shard
-                            : shard.grad_shard.to(at::kFloat);
+    // With offload the gradient stays as reduced until the host copy. A
+    // 16-bit gradient is widened a chunk at a time below: a whole-shard fp32
+    // copy was 4 bytes per shard element on top of the model states, the
+    // largest transient of a stage 3 step.
+    const bool widen = !offloaded_ && shard.grad_shard.scalar_type() != at::kFloat;
     std::vector<OffloadedOptimizerState::UpdateRun> runs;
     // Contiguous runs of owned segments that share a step count and a bucket
     // are updated with one call each; with no skipped parameters that is one
@@ -64,18 +66,22 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       if (!gatherer_) {  // the buckets before this run are complete
         launch_parameter_gathers(g, static_cast<size_t>(first.bucket_index));
       }
-      auto slice = [&](const at::Tensor& t) {
-        return t.defined() ? t.narrow(0, offset, length) : at::Tensor();
-      };
       const Bucket& bucket = layout_->group(g).buckets()[first.bucket_index];
       at::Tensor master = master_slice(g, bucket).narrow(0, offset - bucket.shard_offset, length);
-      ShardView view{master,
-                     slice(grad32),
-                     slice(shard.exp_avg),
-                     slice(shard.exp_avg_sq),
-                     slice(shard.max_exp_avg_sq),
-                     slice(shard.momentum_buffer)};
-      apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
+      // The update is elementwise: chunks of a run give the values the whole
+      // run would.
+      const int64_t chunk = widen ? kWidenedGradientChunk : length;
+      for (int64_t done = 0; done < length; done += chunk) {
+        const int64_t numel = std::min(chunk, length - done);
+        auto part = [&](const at::Tensor& t) {
+          return t.defined() ? t.narrow(0, offset + done, numel) : at::Tensor();
+        };
+        at::Tensor grad = part(shard.grad_shard);
+        ShardView view{master.narrow(0, done, numel), widen ? grad.to(at::kFloat) : grad,
+                       part(shard.exp_avg),           part(shard.exp_avg_sq),
+                       part(shard.max_exp_avg_sq),    part(shard.momentum_buffer)};
+        apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
+      }
     }
     if (!offloaded_ && !gatherer_) {
       // The rest of this group's buckets, before the next group's: which

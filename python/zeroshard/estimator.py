@@ -131,6 +131,10 @@ def estimate(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     activation_bytes: float = 0.0,
+    reduce_bucket_size: float = 5e6,
+    max_buckets_in_flight: int = 2,
+    prefetch_bucket_size: float = 5e7,
+    host_device: bool = False,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -151,7 +155,12 @@ def estimate(
     every rank (DP x TP x PP): a rank holds 1/(TP x PP) of the model, ZeRO
     shards it over the DP ranks, and a unit is split TP ways.
     ``activation_bytes`` (per rank, e.g. from :func:`activation_bytes`) is
-    added to ``device_bytes``.
+    added to ``device_bytes``, and so are the buffers of the gradient
+    reduction (``staging_bytes``: ``max_buckets_in_flight`` + 1 buckets of
+    ``reduce_bucket_size``, a whole unit at stage 3, plus receive buffers when
+    ``host_device``: Gloo on a CPU device) and, at stage 3, the units
+    gathered at once (``working_bytes``: the largest and those that fit in
+    ``prefetch_bucket_size``). The bucket arguments are ``ZeroOptimizer``'s.
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -184,6 +193,10 @@ def estimate(
                 int(tensor_parallel_size),
                 int(pipeline_parallel_size),
                 float(activation_bytes),
+                float(reduce_bucket_size),
+                int(max_buckets_in_flight),
+                float(prefetch_bucket_size),
+                bool(host_device),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
@@ -352,15 +365,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of estimate() rows, in GB (1e9 bytes)."""
     header = (
         f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'working':>10} "
-        f"{'device':>10} {'cpu/node':>10} {'nvme/node':>10}"
+        f"{'staging':>10} {'device':>10} {'cpu/node':>10} {'nvme/node':>10}"
     )
     lines = [header]
     for r in rows:
         lines.append(
             f"{r['stage']:>5} {r['param_bytes'] / 1e9:>10.2f} {r['grad_bytes'] / 1e9:>10.2f} "
             f"{r['optimizer_bytes'] / 1e9:>10.2f} {r['working_bytes'] / 1e9:>10.2f} "
-            f"{r['device_bytes'] / 1e9:>10.2f} {r['cpu_bytes_per_node'] / 1e9:>10.2f} "
-            f"{r['nvme_bytes_per_node'] / 1e9:>10.2f}"
+            f"{r['staging_bytes'] / 1e9:>10.2f} {r['device_bytes'] / 1e9:>10.2f} "
+            f"{r['cpu_bytes_per_node'] / 1e9:>10.2f} {r['nvme_bytes_per_node'] / 1e9:>10.2f}"
         )
     return "\n".join(lines)
 

@@ -654,13 +654,15 @@ TEST(DeepSpeedConfigTest, AutoStageAndOffloadAreChosenFromWhatIsFree) {
                    "\"auto\" settings not resolved yet (zero_optimization.stage "
                    "offload_optimizer.device ): zeroshard.initialize resolves them");
   // 1e9 fp32 parameters with Adam on 8 GPUs of one node: stage 1 holds 4 + 4 + 8 / 8 bytes per
-  // parameter per rank (9 GB), stage 2 5.5 GB, stage 3 2 GB plus one unit's 80 MB.
+  // parameter per rank (9 GB) and 65 MB of gradient buckets (3 of 5e6 elements, 2 reduced
+  // shards), stage 2 5.5 GB, stage 3 2 GB plus 240 MB of gathered units (1e7 and the 5e7 of
+  // the prefetch window) and 130 MB of buckets (3 units, 2 shards).
   AvailableMemory memory;
   memory.device_bytes = 24e9;
   memory.host_bytes = 512e9;
   memory.nvme_bytes = 4e12;
   EXPECT_ERROR_HAS(resolve_auto_configuration(config, 1e9, 1e7, 8, memory),
-                   "chose ZeRO stage 1: it needs 9.00 GB of 24.00 GB device memory per rank");
+                   "chose ZeRO stage 1: it needs 9.06 GB of 24.00 GB device memory per rank");
   EXPECT_EQ(config.zero_stage, 1);
   EXPECT_EQ(config.zero.offload_optimizer().device(), OffloadDevice::kNone);
   EXPECT_FALSE(has_auto_settings(config));
@@ -669,19 +671,19 @@ TEST(DeepSpeedConfigTest, AutoStageAndOffloadAreChosenFromWhatIsFree) {
   config = parse();
   memory.device_bytes = 3e9;
   const std::string third = resolve_auto_configuration(config, 1e9, 1e7, 8, memory);
-  EXPECT_ERROR_HAS(third, "chose ZeRO stage 3: it needs 2.08 GB of 3.00 GB device memory");
-  EXPECT_ERROR_HAS(third, "Rejected first: ZeRO stage 1 (needs 9.00 GB");
+  EXPECT_ERROR_HAS(third, "chose ZeRO stage 3: it needs 2.37 GB of 3.00 GB device memory");
+  EXPECT_ERROR_HAS(third, "Rejected first: ZeRO stage 1 (needs 9.06 GB");
   EXPECT_EQ(config.zero_stage, 3);
 
-  // Below stage 3 with the optimizer state offloaded (1.08 GB): nothing fits, and the error
+  // Below stage 3 with the optimizer state offloaded (1.37 GB): nothing fits, and the error
   // names the shortfall of the most offloaded candidate. The config fixes offload_param.
   config = parse();
   memory.device_bytes = 1e9;
   EXPECT_ERROR_HAS(ErrorOf([&] { resolve_auto_configuration(config, 1e9, 1e7, 8, memory); }),
-                   "nothing fits: even ZeRO stage 3 + optimizer offload to nvme needs 1.08 GB of "
+                   "nothing fits: even ZeRO stage 3 + optimizer offload to nvme needs 1.37 GB of "
                    "1.00 GB device memory per rank");
   EXPECT_ERROR_HAS(ErrorOf([&] { resolve_auto_configuration(config, 1e9, 1e7, 8, memory); }),
-                   "short of device memory by 80.0 MB per rank");
+                   "short of device memory by 370.0 MB per rank");
 
   // Without an nvme_path NVMe is not a candidate.
   config = parse_deepspeed_config(

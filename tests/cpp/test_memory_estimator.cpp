@@ -35,8 +35,12 @@ TEST(MemoryEstimatorTest, TensorAndPipelineParallelDegreesSplitTheModelBeforeZer
   EXPECT_DOUBLE_EQ(ModelStates(estimate_memory(1, options)),
                    2 * slice + 2 * slice + 12 * slice / 2);
   EXPECT_DOUBLE_EQ(ModelStates(estimate_memory(3, options)), 16 * slice / 2);
-  // A unit is split TP ways: 1.2e9 / 8 parameters gathered, params and grads.
-  EXPECT_DOUBLE_EQ(estimate_memory(3, options).working_bytes, 4 * 1.2e9 / 8);
+  // A unit is split TP ways: 1.2e9 / 8 parameters gathered (none prefetched:
+  // a unit is larger than the 5e7-element window), and its gradient is a
+  // bucket of its own.
+  EXPECT_DOUBLE_EQ(estimate_memory(3, options).working_bytes, 2 * 1.2e9 / 8);
+  EXPECT_DOUBLE_EQ(estimate_memory(3, options).staging_bytes,
+                   2 * (3 * 1.2e9 / 8 + 2 * 1.2e9 / 8 / 2));
   // The same as ZeRO over the DP ranks alone on the rank's slice of the model.
   auto slice_only =
       EstimateOptions().num_params(slice).largest_unit_params(1.2e9 / 8).world_size(2);
@@ -77,6 +81,39 @@ TEST(MemoryEstimatorTest, ActivationsFollowKorthikantiAndCountOnTheDevice) {
   EXPECT_DOUBLE_EQ(with - without, 3e9);
 }
 
+TEST(MemoryEstimatorTest, CountsTheGradientBucketsAndTheGatheredUnits) {
+  // 1e9 parameters on 4 ranks, bf16: what ZeroOptimizer's buffers hold at
+  // once (gradient_buckets.h, parameter_gatherer.h).
+  auto options = EstimateOptions().num_params(1e9).world_size(4);
+  // Below stage 3 a bucket is reduce_bucket_size: max_buckets_in_flight (2)
+  // reducing, one filling, and the reduced shards of those in flight.
+  const double bucket = 5e6;
+  EXPECT_DOUBLE_EQ(estimate_memory(2, options).staging_bytes, 2 * (3 * bucket + 2 * bucket / 4));
+  EXPECT_DOUBLE_EQ(estimate_memory(1, options).staging_bytes,
+                   estimate_memory(2, options).staging_bytes);
+  EXPECT_EQ(estimate_memory(0, options).staging_bytes, 0);
+  EXPECT_EQ(estimate_memory(2, options).working_bytes, 0);
+  // On a CPU device the all-to-all reduce-scatter receives a bucket per
+  // collective in flight.
+  EXPECT_DOUBLE_EQ(estimate_memory(2, EstimateOptions(options).host_device(true)).staging_bytes,
+                   2 * (3 * bucket + 2 * bucket / 4 + 2 * bucket));
+  // Stage 3 with 2e7-parameter units: a unit is a bucket, and two more units
+  // fit in the 5e7 prefetch window.
+  auto units = EstimateOptions(options).largest_unit_params(2e7);
+  const MemoryEstimate three = estimate_memory(3, units);
+  EXPECT_DOUBLE_EQ(three.working_bytes, 2 * 3 * 2e7);
+  EXPECT_DOUBLE_EQ(three.staging_bytes, 2 * (3 * 2e7 + 2 * 2e7 / 4));
+  EXPECT_DOUBLE_EQ(three.device_bytes,
+                   ModelStates(three) + three.working_bytes + three.staging_bytes);
+  // More buckets in flight, a smaller window: both follow.
+  const MemoryEstimate tuned =
+      estimate_memory(3, EstimateOptions(units).max_buckets_in_flight(4).prefetch_bucket_size(0));
+  EXPECT_DOUBLE_EQ(tuned.working_bytes, 2 * 2e7);
+  EXPECT_DOUBLE_EQ(tuned.staging_bytes, 2 * (5 * 2e7 + 4 * 2e7 / 4));
+  EXPECT_THROW(estimate_memory(2, EstimateOptions(options).max_buckets_in_flight(0)),
+               c10::ValueError);
+}
+
 TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
   auto fp32 = state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kAdam);
   EXPECT_EQ(fp32.param, 4);
@@ -112,7 +149,10 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
       estimate_memory(3, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone));
   auto nvme = estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
-  EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 4 * 1e7);  // grad shard + working set
+  // The grad shard, the gathered units (the largest and the five that fit in
+  // the prefetch window) and the gradient buckets (3 of a unit each, two
+  // reduced shards).
+  EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 2 * 6e7 + 2 * (3e7 + 2 * 1e7 / 8));
   // In host memory besides the optimizer tier's buffers: five buckets read
   // ahead, each the largest unit's shard (1e7 / 8 bf16 elements), per rank.
   EXPECT_DOUBLE_EQ(nvme.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 5 * 1.25e6 * 2 * 8);
@@ -150,8 +190,10 @@ TEST(MemoryEstimatorTest, RecommendsStageTwoBeforeThreeAndOffloadLast) {
   EXPECT_EQ(r.estimate.stage, 2);
   EXPECT_EQ(r.offload_optimizer, OffloadDevice::kNone);
   EXPECT_NE(r.reason.find("ZeRO stage 1 would need"), std::string::npos) << r.reason;
-  // Far too small a device: offload is the last resort.
-  auto tiny = recommend_configuration(options.largest_unit_params(1e8), 4e9);
+  // Far too small a device: offload is the last resort. (Stage 3 with both
+  // offloaded keeps the 3.25 GB gradient shard, a 1e8-parameter unit
+  // gathered and three of it in the gradient buckets: 4.1 GB.)
+  auto tiny = recommend_configuration(options.largest_unit_params(1e8), 5e9);
   ASSERT_TRUE(tiny.fits) << tiny.reason;
   EXPECT_EQ(tiny.estimate.stage, 3);
   EXPECT_NE(tiny.offload_optimizer, OffloadDevice::kNone);

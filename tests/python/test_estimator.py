@@ -272,3 +272,73 @@ def test_traffic_estimate_matches_what_zeroshard_sends(world_size: int) -> None:
                 f"{measured} B, estimated {estimated:.0f} B, {100 * error:.2f}% apart"
             )
             assert error <= 0.01, (row, expected)
+
+
+UNIT_WIDTH, UNITS = 64, 6
+UNIT_NUMEL = UNIT_WIDTH * UNIT_WIDTH + UNIT_WIDTH  # a Linear: its own unit, its own bucket
+
+
+def _measure_buffers(rank: int, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(UNIT_WIDTH, UNIT_WIDTH) for _ in range(UNITS)))
+        model = model.to(torch.bfloat16)
+        stage3 = (
+            {
+                "module": model,
+                "unit_classes": (nn.Linear,),
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 2 * UNIT_NUMEL,
+            }
+            if stage == 3
+            else {}
+        )
+        optimizer = zeroshard.ZeroOptimizer(
+            model.parameters(), "adamw", stage=stage, reduce_bucket_size=UNIT_NUMEL, **stage3
+        )
+        x = torch.randn(4, UNIT_WIDTH, dtype=torch.bfloat16)
+        peaks = {"staging": 0, "gathered": 0}
+        for _ in range(3):
+            optimizer.zero_grad()
+            optimizer.reset_peak_staging_bytes()
+            if stage == 3:
+                optimizer.reset_peak_gathered_parameter_bytes()
+            model(x).float().pow(2).mean().backward()
+            optimizer.step()
+            peaks["staging"] = max(peaks["staging"], optimizer.peak_staging_bytes())
+            if stage == 3:
+                peaks["gathered"] = max(
+                    peaks["gathered"], optimizer.peak_gathered_parameter_bytes()
+                )
+        out.append({"stage": stage, **peaks})
+    return out
+
+
+def test_estimate_counts_the_gradient_buckets_and_gathered_units_zeroshard_holds() -> None:
+    # The buffers beyond the model states: the gradient buckets being filled
+    # and reduced (the staging ZeroOptimizer counts) and, at stage 3, the
+    # units gathered at once. Six equal buckets, so the estimate's
+    # max_buckets_in_flight + 1 of the largest is what is held at the peak;
+    # the estimate's reduced shards (and, with host_device, the all-to-all
+    # receive buffers) are the communicator's, not counted here.
+    world = 2
+    for rank_rows in unwrap(run_ranks(world, _measure_buffers)):
+        for row in rank_rows:
+            estimate = zeroshard.estimate(
+                UNITS * UNIT_NUMEL,
+                world_size=world,
+                largest_unit_params=UNIT_NUMEL,
+                stages=(row["stage"],),
+                reduce_bucket_size=UNIT_NUMEL,
+                prefetch_bucket_size=2 * UNIT_NUMEL,
+            )[0]
+            buckets = 2 * 3 * UNIT_NUMEL  # bf16, 2 in flight + 1 filling
+            shards = 2 * 2 * UNIT_NUMEL / world
+            print(f"stage {row['stage']}: measured {row}, estimated {estimate}")
+            assert estimate["staging_bytes"] == buckets + shards
+            assert row["staging"] == buckets
+            if row["stage"] == 3:
+                # The unit in use and the two the prefetch window holds.
+                assert estimate["working_bytes"] == 2 * 3 * UNIT_NUMEL
+                assert 2 * UNIT_NUMEL < row["gathered"] <= estimate["working_bytes"]

@@ -67,3 +67,78 @@ def test_update_equals_torch_optim_single_tensor_exactly(case: str, numel: int, 
             assert torch.equal(exp_avg_sq, state["exp_avg_sq"])
     finally:
         torch.set_num_threads(previous)
+
+
+# ---- 16-bit gradient shards larger than one widening chunk -------------------------
+
+WIDE = (1 << 22) * 2 + 4099  # a rank's shard spans three kWidenedGradientChunk pieces
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(2 * WIDE, generator=generator).bfloat16())
+
+    def forward(self, coefficients: torch.Tensor) -> torch.Tensor:
+        return (self.weight * coefficients).float().sum()
+
+
+def _coefficients(step: int) -> torch.Tensor:
+    # bf16 values, the same on both ranks: their sum, halved, is exact, so the
+    # averaged gradient is exactly these values.
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(2 * WIDE, generator=generator).bfloat16()
+
+
+def _train_wide(
+    rank: int, world_size: int, stage: int, max_norm: float | None
+) -> torch.Tensor | None:
+    import zeroshard
+
+    model = _Wide()
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=stage,
+        lr=1e-3,
+        weight_decay=0.1,
+        max_norm=max_norm,
+        **({"module": model} if stage == 3 else {}),
+    )
+    for step in range(3):
+        optimizer.zero_grad()
+        model(_coefficients(step)).backward()
+        optimizer.step()
+    full = optimizer._impl.full_parameters(0)  # gathered on rank 0
+    return full[0][0] if rank == 0 else None
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_gradient_shards_widened_a_chunk_at_a_time_equal_torch_optim(
+    stage: int, max_norm: float | None
+) -> None:
+    # The step and the gradient norm widen a 16-bit gradient shard to fp32 a
+    # chunk at a time instead of copying the whole shard (4 bytes per shard
+    # element, the largest transient of a stage 3 step). The update is
+    # elementwise, so the chunks give torch.optim's values exactly. Clipping
+    # scales the bf16 gradient by the coefficient rounded to bf16 (as
+    # zeroshard does) and sums the squares chunk by chunk, an order of its
+    # own; the bound allows that order one ulp of the fp32 norm.
+    from dist_harness import run_ranks, unwrap
+
+    master = torch.nn.Parameter(_Wide().weight.detach().float())
+    reference = torch.optim.AdamW([master], lr=1e-3, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        reference.zero_grad()
+        grad = _coefficients(step)
+        if max_norm is not None:
+            norm = torch.linalg.vector_norm(grad.float())
+            grad = grad * (max_norm / (norm + 1e-6)).clamp(max=1.0).bfloat16()
+        master.grad = grad.float()
+        reference.step()
+    got = unwrap(run_ranks(2, _train_wide, stage, max_norm, timeout=300))[0]
+    diff = (got - master.detach()).abs().max().item()
+    print(f"stage {stage} max_norm {max_norm}: max abs diff {diff:.3e}")
+    assert diff <= (0.0 if max_norm is None else 1e-6)

@@ -56,15 +56,31 @@ struct EstimateOptions {
   // at most the largest unit's shard (offload_param.buffer_count).
   TORCH_ARG(double, param_max_in_cpu) = 1e9;
   TORCH_ARG(int64_t, param_buffer_count) = 5;
+  // The buffers of the gradient reduction and of the stage 3 gathers, as
+  // ZeroOptions sizes them (reduce_bucket_size, max_buckets_in_flight,
+  // stage3_prefetch_bucket_size). On a CPU device (Gloo) each reduce-scatter
+  // in flight also holds a receive buffer of its bucket's size (the
+  // all-to-all that replaces Gloo's emulated reduce-scatter).
+  TORCH_ARG(double, reduce_bucket_size) = 5e6;
+  TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
+  TORCH_ARG(double, prefetch_bucket_size) = 5e7;
+  TORCH_ARG(bool, host_device) = false;
 };
 
 // Bytes per rank unless named per node.
 struct MemoryEstimate {
   int64_t stage = 0;
-  double param_bytes = 0;       // on the device, between steps
-  double grad_bytes = 0;        // on the device, after backward
-  double optimizer_bytes = 0;   // on the device (fp32 master + states)
-  double working_bytes = 0;     // stage 3: the largest unit gathered (params + grads)
+  double param_bytes = 0;      // on the device, between steps
+  double grad_bytes = 0;       // on the device, after backward
+  double optimizer_bytes = 0;  // on the device (fp32 master + states)
+  // Stage 3: the units gathered at once, the largest and those prefetched
+  // with it (16-bit or fp32 parameters).
+  double working_bytes = 0;
+  // Stages 1-3: the gradient buckets being filled and reduced
+  // (max_buckets_in_flight + 1 of the largest, whose size is a unit at stage
+  // 3 and reduce_bucket_size below), their reduced shards, and on a CPU
+  // device the reduce-scatters' receive buffers.
+  double staging_bytes = 0;
   double activation_bytes = 0;  // EstimateOptions::activation_bytes
   double device_bytes = 0;      // all of the above
   // Offloaded to CPU memory, all ranks of a node. For CPU optimizer offload:
