@@ -61,7 +61,8 @@ void bind_estimator(py::module_& m) {
          double offload_ratio, double sub_group_size, int64_t nvme_buffer_count,
          double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
          int64_t pipeline_parallel_size, double activation_bytes, double reduce_bucket_size,
-         int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device) {
+         int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device,
+         double max_live_parameters, bool reduce_in_fp32) {
         return estimate_dict(zeroshard::estimate_memory(
             stage, estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                     precision, optimizer, offload_optimizer, offload_param,
@@ -73,7 +74,9 @@ void bind_estimator(py::module_& m) {
                        .reduce_bucket_size(reduce_bucket_size)
                        .max_buckets_in_flight(max_buckets_in_flight)
                        .prefetch_bucket_size(prefetch_bucket_size)
-                       .host_device(host_device)));
+                       .host_device(host_device)
+                       .max_live_parameters(max_live_parameters)
+                       .reduce_in_fp32(reduce_in_fp32)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
@@ -83,7 +86,8 @@ void bind_estimator(py::module_& m) {
       py::arg("tensor_parallel_size") = 1, py::arg("pipeline_parallel_size") = 1,
       py::arg("activation_bytes") = 0.0, py::arg("reduce_bucket_size") = 5e6,
       py::arg("max_buckets_in_flight") = 2, py::arg("prefetch_bucket_size") = 5e7,
-      py::arg("host_device") = false);
+      py::arg("host_device") = false, py::arg("max_live_parameters") = 1e9,
+      py::arg("reduce_in_fp32") = false);
   m.def(
       "estimate_activation_bytes",
       [](int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t sequence_length,

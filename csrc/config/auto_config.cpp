@@ -55,7 +55,9 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
           .reduce_bucket_size(static_cast<double>(config.zero.reduce_bucket_size()))
           .max_buckets_in_flight(config.zero.max_buckets_in_flight())
           .prefetch_bucket_size(static_cast<double>(config.zero.stage3_prefetch_bucket_size()))
-          .host_device(available.device_is_host && config.zero.gloo_reduce_scatter_all_to_all());
+          .host_device(available.device_is_host && config.zero.gloo_reduce_scatter_all_to_all())
+          .max_live_parameters(static_cast<double>(config.zero.stage3_max_live_parameters()))
+          .reduce_in_fp32(config.zero.reduce_in_fp32());
   FixedSettings fixed;
   if (!config.stage_auto) {
     fixed.stage = config.zero_stage;

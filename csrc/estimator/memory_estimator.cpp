@@ -144,18 +144,28 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   const double largest = options.largest_unit_params() / static_cast<double>(tp);
   const StateBytes per = state_bytes_per_param(options.precision(), options.optimizer());
 
+  // The buckets' and the gradient shard's bytes per element.
+  const double reduced =
+      options.reduce_in_fp32() && options.precision() == PrecisionRecipe::kMixed16 ? 4 : per.grad;
+
   MemoryEstimate estimate;
   estimate.stage = stage;
   estimate.param_bytes = per.param * psi / (stage >= 3 ? n : 1);
-  estimate.grad_bytes = per.grad * psi / (stage >= 2 ? n : 1);
+  estimate.grad_bytes = stage >= 2 ? reduced * psi / n : per.grad * psi;
   estimate.optimizer_bytes = per.optimizer * psi / (stage >= 1 ? n : 1);
   if (stage == 3 && largest > 0) {
+    TORCH_CHECK_VALUE(options.max_live_parameters() >= 0, "max_live_parameters must be >= 0, got ",
+                      options.max_live_parameters());
     // The gatherer prefetches whole units while they fit in the prefetch
-    // window: with units of the largest size, floor(window / largest) of
-    // them, and never more than the rest of the model.
+    // window and the gathered total stays within max_live_parameters: with
+    // units of the largest size, floor(window / largest) of them, or
+    // floor((max_live - largest) / largest) beside the unit in use, and
+    // never more than the rest of the model.
+    const double by_window = std::floor(options.prefetch_bucket_size() / largest);
+    const double by_live =
+        std::floor(std::max(0.0, options.max_live_parameters() - largest) / largest);
     const double prefetched =
-        std::min(std::floor(options.prefetch_bucket_size() / largest) * largest,
-                 std::max(0.0, psi - largest));
+        std::min(std::min(by_window, by_live) * largest, std::max(0.0, psi - largest));
     estimate.working_bytes = per.param * (largest + prefetched);
   }
   if (stage >= 1) {
@@ -168,7 +178,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double in_flight = static_cast<double>(options.max_buckets_in_flight());
     const double receive = options.host_device() ? in_flight * bucket : 0;
     estimate.staging_bytes =
-        per.grad * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
+        reduced * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
   }
   auto offload = [&](OffloadDevice device, double& bytes) {
     const double per_node = bytes * static_cast<double>(options.ranks_per_node());

@@ -135,6 +135,8 @@ def estimate(
     max_buckets_in_flight: int = 2,
     prefetch_bucket_size: float = 5e7,
     host_device: bool = False,
+    max_live_parameters: float = 1e9,
+    reduce_in_fp32: bool = False,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -160,7 +162,11 @@ def estimate(
     ``reduce_bucket_size``, a whole unit at stage 3, plus receive buffers when
     ``host_device``: Gloo on a CPU device) and, at stage 3, the units
     gathered at once (``working_bytes``: the largest and those that fit in
-    ``prefetch_bucket_size``). The bucket arguments are ``ZeroOptimizer``'s.
+    ``prefetch_bucket_size`` and keep the gathered total within
+    ``max_live_parameters``). The bucket arguments are ``ZeroOptimizer``'s
+    (``max_live_parameters`` is its ``stage3_max_live_parameters``). With
+    ``reduce_in_fp32`` (mixed16 only) the buckets and the gradient shard are
+    fp32.
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -197,6 +203,8 @@ def estimate(
                 int(max_buckets_in_flight),
                 float(prefetch_bucket_size),
                 bool(host_device),
+                float(max_live_parameters),
+                bool(reduce_in_fp32),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

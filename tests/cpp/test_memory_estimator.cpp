@@ -114,6 +114,32 @@ TEST(MemoryEstimatorTest, CountsTheGradientBucketsAndTheGatheredUnits) {
                c10::ValueError);
 }
 
+TEST(MemoryEstimatorTest, FollowsMaxLiveParametersAndFp32Reduction) {
+  auto units = EstimateOptions().num_params(1e9).world_size(4).largest_unit_params(2e7);
+  // The 5e7 window holds two more 2e7 units; a 5e7 live cap leaves room for
+  // one beside the unit in use, a cap below a unit for none.
+  EXPECT_DOUBLE_EQ(estimate_memory(3, units).working_bytes, 2 * 3 * 2e7);
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(3, EstimateOptions(units).max_live_parameters(5e7)).working_bytes,
+      2 * 2 * 2e7);
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(3, EstimateOptions(units).max_live_parameters(1e7)).working_bytes, 2 * 2e7);
+  EXPECT_THROW(estimate_memory(3, EstimateOptions(units).max_live_parameters(-1)), c10::ValueError);
+  // Gradients reduced in fp32: the buckets and the shard are 4 bytes an
+  // element; autograd's stage-1 gradients stay bf16.
+  const auto fp32_reduction = EstimateOptions(units).reduce_in_fp32(true);
+  const MemoryEstimate three = estimate_memory(3, fp32_reduction);
+  EXPECT_DOUBLE_EQ(three.grad_bytes, 4 * 1e9 / 4);
+  EXPECT_DOUBLE_EQ(three.staging_bytes, 4 * (3 * 2e7 + 2 * 2e7 / 4));
+  const MemoryEstimate one = estimate_memory(1, fp32_reduction);
+  EXPECT_DOUBLE_EQ(one.grad_bytes, 2 * 1e9);
+  EXPECT_DOUBLE_EQ(one.staging_bytes, 4 * (3 * 5e6 + 2 * 5e6 / 4));
+  // fp32 parameters are reduced in fp32 anyway.
+  const auto fp32 = EstimateOptions(units).precision(PrecisionRecipe::kFp32);
+  EXPECT_DOUBLE_EQ(estimate_memory(3, EstimateOptions(fp32).reduce_in_fp32(true)).device_bytes,
+                   estimate_memory(3, fp32).device_bytes);
+}
+
 TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
   auto fp32 = state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kAdam);
   EXPECT_EQ(fp32.param, 4);

@@ -278,7 +278,9 @@ UNIT_WIDTH, UNITS = 64, 6
 UNIT_NUMEL = UNIT_WIDTH * UNIT_WIDTH + UNIT_WIDTH  # a Linear: its own unit, its own bucket
 
 
-def _measure_buffers(rank: int, world_size: int) -> list[dict[str, Any]]:
+def _measure_buffers(
+    rank: int, world_size: int, extra: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     out = []
     for stage in (2, 3):
         torch.manual_seed(0)
@@ -294,6 +296,7 @@ def _measure_buffers(rank: int, world_size: int) -> list[dict[str, Any]]:
             if stage == 3
             else {}
         )
+        stage3.update(extra or {})
         optimizer = zeroshard.ZeroOptimizer(
             model.parameters(), "adamw", stage=stage, reduce_bucket_size=UNIT_NUMEL, **stage3
         )
@@ -341,4 +344,31 @@ def test_estimate_counts_the_gradient_buckets_and_gathered_units_zeroshard_holds
             if row["stage"] == 3:
                 # The unit in use and the two the prefetch window holds.
                 assert estimate["working_bytes"] == 2 * 3 * UNIT_NUMEL
+                assert 2 * UNIT_NUMEL < row["gathered"] <= estimate["working_bytes"]
+
+
+def test_estimate_follows_max_live_parameters_and_fp32_reduction() -> None:
+    # stage3_max_live_parameters of two units leaves room for one prefetched
+    # unit beside the one in use (the window would hold two), and
+    # reduce_in_fp32 makes the bf16 model's buckets and gradient shard fp32.
+    world = 2
+    extra = {"reduce_in_fp32": True, "stage3_max_live_parameters": 2 * UNIT_NUMEL}
+    for rank_rows in unwrap(run_ranks(world, _measure_buffers, extra)):
+        for row in rank_rows:
+            estimate = zeroshard.estimate(
+                UNITS * UNIT_NUMEL,
+                world_size=world,
+                largest_unit_params=UNIT_NUMEL,
+                stages=(row["stage"],),
+                reduce_bucket_size=UNIT_NUMEL,
+                prefetch_bucket_size=2 * UNIT_NUMEL,
+                max_live_parameters=2 * UNIT_NUMEL,
+                reduce_in_fp32=True,
+            )[0]
+            print(f"stage {row['stage']}: measured {row}, estimated {estimate}")
+            assert row["staging"] == 4 * 3 * UNIT_NUMEL
+            assert estimate["staging_bytes"] == 4 * (3 * UNIT_NUMEL + 2 * UNIT_NUMEL / world)
+            assert estimate["grad_bytes"] == 4 * UNITS * UNIT_NUMEL / world
+            if row["stage"] == 3:
+                assert estimate["working_bytes"] == 2 * 2 * UNIT_NUMEL
                 assert 2 * UNIT_NUMEL < row["gathered"] <= estimate["working_bytes"]

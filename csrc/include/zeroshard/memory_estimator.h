@@ -65,6 +65,14 @@ struct EstimateOptions {
   TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
   TORCH_ARG(double, prefetch_bucket_size) = 5e7;
   TORCH_ARG(bool, host_device) = false;
+  // Stage 3's stage3_max_live_parameters: the prefetch stops before the
+  // gathered elements would pass it (parameter_gatherer.h).
+  TORCH_ARG(double, max_live_parameters) = 1e9;
+  // Mixed precision with gradients reduced in fp32 (ZeroOptions'
+  // reduce_in_fp32, DeepSpeed's communication_data_type "fp32"): the
+  // buckets and the gradient shard are fp32; autograd's stage-0/1
+  // gradients keep the parameters' dtype.
+  TORCH_ARG(bool, reduce_in_fp32) = false;
 };
 
 // Bytes per rank unless named per node.
