@@ -33,6 +33,9 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_arguments import add_capacity_arguments  # noqa: E402
+from rank_setup import join_gloo_group  # noqa: E402
 
 
 def rss_peak_gib() -> float:
@@ -43,14 +46,7 @@ def rank_main(rank: int, world: int, init_file: str, args: argparse.Namespace, o
     import zeroshard
     from train_gpt import GPT, Block
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=3600),
-    )
+    join_gloo_group(rank, world, init_file, timeout=datetime.timedelta(seconds=3600))
     with torch.device("meta"):
         model = GPT(args.vocab, args.width, args.depth, args.heads, args.context)
     model = model.to(torch.bfloat16)
@@ -193,15 +189,7 @@ def deepspeed_lines(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=26)
-    parser.add_argument("--width", type=int, default=2560)
-    parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--nvme-path", default="/var/tmp")
-    parser.add_argument("--sub-group-size", type=int, default=25_000_000)
-    parser.add_argument("--buffer-count", type=int, default=4)
+    add_capacity_arguments(parser, steps=5)
     parser.add_argument(
         "--offload-param", choices=["none", "nvme"], default="none", help="parameter shards too"
     )

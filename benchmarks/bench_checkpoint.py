@@ -44,6 +44,9 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_arguments import add_gpt_arguments  # noqa: E402
+from rank_setup import join_gloo_group  # noqa: E402
 
 AFTER_STEPS = 3  # steps timed after a save call (the stall window)
 
@@ -173,23 +176,7 @@ def _timed(fn: Any) -> float:
 
 
 def _run(rank: int, world: int, name: str, args: argparse.Namespace, init: str, out: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        {
-            "LOCAL_RANK": str(rank),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "DS_ACCELERATOR": "cpu",
-        }
-    )
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=10),
-    )
+    join_gloo_group(rank, world, init, threads=1, timeout=datetime.timedelta(minutes=10))
     trainer = Trainer(name, args)
     for _ in range(2):  # warm-up; creates the optimizer state
         trainer.step()
@@ -254,13 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
+    add_gpt_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="", help="comma-separated (default: all)")
     parser.add_argument("--dir", default="", help="where checkpoints go (default: a temp dir)")

@@ -41,6 +41,9 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_arguments import add_capacity_arguments  # noqa: E402
+from rank_setup import join_gloo_group  # noqa: E402
 
 WORLD = 2
 SETTINGS = {"ram": "stage 3, no offload", "nvme": "stage 3, optimizer + parameters on NVMe"}
@@ -181,14 +184,7 @@ def rank_main(
     import zeroshard
     from train_gpt import Block
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=3600),
-    )
+    join_gloo_group(rank, WORLD, init_file, timeout=datetime.timedelta(seconds=3600))
     try:
         model = build_meta(depth, args).to(torch.bfloat16)
         torch.manual_seed(0)
@@ -346,15 +342,7 @@ def table_row(setting: str, predicted: dict[str, Any], result: dict[str, Any], f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2560)
-    parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--nvme-path", default="/var/tmp")
-    parser.add_argument("--sub-group-size", type=int, default=25_000_000)
-    parser.add_argument("--buffer-count", type=int, default=4)
+    add_capacity_arguments(parser, steps=3)
     parser.add_argument(
         "--reserve", type=float, default=0.5, help="GiB the watchdog keeps available"
     )

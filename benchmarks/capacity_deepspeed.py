@@ -23,8 +23,8 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_setup import join_gloo_group
 from torch import nn
 
 
@@ -60,24 +60,8 @@ def deepspeed_config(args: argparse.Namespace, swap: str, world: int) -> dict[st
 def rank_main(
     rank: int, world: int, init_file: str, args: argparse.Namespace, swap: str, out: Any
 ) -> None:
-    # What torchrun would set; the group exists before DeepSpeed looks for one.
-    os.environ.update(
-        {
-            "LOCAL_RANK": str(rank),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "DS_ACCELERATOR": "cpu",
-        }
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=3600),
-    )
+    # The group exists before DeepSpeed looks for one.
+    join_gloo_group(rank, world, init_file, timeout=datetime.timedelta(seconds=3600))
     try:
         import deepspeed
 

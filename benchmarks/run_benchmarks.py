@@ -41,6 +41,9 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_arguments import add_gpt_arguments  # noqa: E402
+from rank_setup import join_gloo_group  # noqa: E402
 
 ZEROSHARD = [
     "zeroshard_stage1",
@@ -206,18 +209,7 @@ def _run_variant(
 ) -> None:
     from train_gpt import GPT
 
-    torch.set_num_threads(max(1, args.threads))
-    # DeepSpeed reads its rank and accelerator from the environment.
-    os.environ.update(
-        {
-            "LOCAL_RANK": str(rank),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "DS_ACCELERATOR": "cpu",
-        }
-    )
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join_gloo_group(rank, world, init_file, threads=max(1, args.threads))
     torch.manual_seed(0)
     model = GPT(args.vocab, args.width, args.depth, args.heads, args.context)
     n_params = sum(p.numel() for p in model.parameters())
@@ -338,15 +330,9 @@ def write_chart(summary: dict[str, dict[str, float]], path: str) -> bool:
 
 def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
     """The ranks, the GPT and the batch: what every benchmark of this GPT takes."""
-    parser.add_argument("--world-size", type=int, default=2)
+    add_gpt_arguments(parser)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument(
         "--bucket",
         type=int,
