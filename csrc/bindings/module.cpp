@@ -353,6 +353,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("store"), py::arg("prefix"), py::arg("report_seconds"),
           "Where ranks report a failed collective, so errors name the lost ranks.")
+      .def("set_checkpoint_store", &ZeroOptimizer::set_checkpoint_store, py::arg("store"),
+           py::arg("prefix"),
+           "Where the ranks of an asynchronous save agree on its commit: a store they all reach.")
       .def(
           "set_replica_failure_store",
           [](ZeroOptimizer& self, const c10::intrusive_ptr<c10d::Store>& store,

@@ -241,12 +241,31 @@ std::string combined_error(const std::vector<std::string>& errors) {
   return message.str();
 }
 
+namespace {
+// A rank lost mid-save must not leave the others waiting forever.
+constexpr auto kCommitTimeout = std::chrono::minutes(30);
+
+std::string wait_for_outcome(c10d::Store* store, const std::string& key) {
+  // Longer than rank 0's own wait, which always ends with an outcome.
+  store->wait({key + "/outcome"}, 2 * kCommitTimeout);
+  const std::string outcome = store->get_to_str(key + "/outcome");
+  return outcome == "ok" ? "" : outcome;
+}
+}  // namespace
+
+std::string await_commit_outcome(c10d::Store* store, const std::string& key) {
+  try {
+    return wait_for_outcome(store, key);
+  } catch (const std::exception& e) {
+    return "(the ranks could not agree through the store: " + message_of(e) + ")";
+  }
+}
+
 std::string commit_through_store(c10d::Store* store, const std::string& key, int64_t rank,
                                  int64_t world_size, const std::string& local_error,
                                  const json& manifest, json index, const std::string& staging,
                                  const std::string& path, const CheckpointSaveOptions& options) {
-  // A rank lost mid-save must not leave the others waiting forever.
-  constexpr auto kTimeout = std::chrono::minutes(30);
+  constexpr auto kTimeout = kCommitTimeout;
   auto publish_on_rank0 = [&](const std::vector<std::string>& manifests) -> std::string {
     try {
       merge_manifests(index, manifests);
@@ -257,17 +276,22 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
     }
   };
   if (world_size == 1) {
-    return local_error.empty() ? publish_on_rank0({manifest.dump()})
-                               : combined_error({local_error});
+    const std::string outcome =
+        local_error.empty() ? publish_on_rank0({manifest.dump()}) : combined_error({local_error});
+    if (store != nullptr) {
+      try {
+        // Replicas of a one-rank shard group wait for it (hybrid sharding).
+        store->set(key + "/outcome", outcome.empty() ? "ok" : outcome);
+      } catch (const std::exception&) {  // they time out with the store's own error
+      }
+    }
+    return outcome;
   }
   try {
     store->set(key + "/rank" + std::to_string(rank),
                local_error.empty() ? "ok" + manifest.dump() : "error" + local_error);
     if (rank != 0) {
-      // Longer than rank 0's own wait, which always ends with an outcome.
-      store->wait({key + "/outcome"}, 2 * kTimeout);
-      const std::string outcome = store->get_to_str(key + "/outcome");
-      return outcome == "ok" ? "" : outcome;
+      return wait_for_outcome(store, key);
     }
     std::vector<std::string> keys;
     for (int64_t r = 0; r < world_size; ++r) {

@@ -91,6 +91,10 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
                                  const nlohmann::json& manifest, nlohmann::json index,
                                  const std::string& staging, const std::string& path,
                                  const CheckpointSaveOptions& options);
+// What a rank that writes nothing (a replica of the writers, hybrid
+// sharding) learns of that agreement: waits for the outcome rank 0 posts
+// under `key`; "" on success, else the error the writers raise.
+std::string await_commit_outcome(c10d::Store* store, const std::string& key);
 
 // Small files as one byte string and back (length-prefixed, binary-safe), to
 // send them through all_gather_strings.

@@ -175,15 +175,12 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
   const std::string staging = path + ".tmp";
   const int64_t rank = checkpoint_rank();
   const int64_t world = checkpoint_writer_count();
-  // The asynchronous commit agrees through the shard group's store, which
-  // the other tensor-parallel ranks' groups do not share.
-  TORCH_CHECK_VALUE(!options.async_save() || !tensor_parallel_comm_,
-                    "async_save with tensor-parallel parameters is not supported yet; save "
-                    "synchronously");
-  TORCH_CHECK_VALUE(!options.async_save() || world == 1 || comm_->store(),
-                    "async_save needs the process group's c10d store to agree on the commit "
-                    "off the collective stream: call set_failure_store(store, prefix) first "
-                    "(the Python layer does)");
+  // The asynchronous commit's store and key, taken on every rank alike
+  // (before any collective, so that a refusal is raised by all).
+  std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
+  if (options.async_save()) {
+    commit = next_checkpoint_commit(path);
+  }
   if (rank == 0 && error.empty()) {
     try {
       fs::remove_all(staging);  // what an interrupted save left
@@ -281,42 +278,78 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
     copy.narrow(0, offsets[i], pieces[i].numel).copy_(read_source(i));
   }
   json skeleton = rank == 0 ? checkpoint_index_skeleton(options) : json();
-  const std::string key = comm_->store_prefix() + "/checkpoint" + std::to_string(saves_started_++);
+  // Expert-parallel ranks hold other experts: each lists its own parameters
+  // (as the synchronous save does), and the index is their union.
+  json own_params =
+      tensor_parallel_comm_ ? checkpoint_index_skeleton(options).at("params") : json();
+  const std::string key = commit.second;
   auto pending = std::make_unique<PendingCheckpoint>();
   pending->path = path;
   PendingCheckpoint* state = pending.get();
   // Its own connection: a store client serializes its calls, and the writer's
   // long waits must not hold up the failure reports or torch's own use of it.
-  c10::intrusive_ptr<c10d::Store> store = comm_->store();
+  c10::intrusive_ptr<c10d::Store> store = commit.first;
   if (store) {
     try {
       store = store->clone();
     } catch (const std::exception&) {  // a store that cannot be cloned: share it
     }
   }
-  pending->writer = std::thread([state, store, key, rank, world, staging, path, options,
-                                 pieces = std::move(pieces), offsets = std::move(offsets),
-                                 copy = std::move(copy), skeleton = std::move(skeleton)]() mutable {
-    std::string local_error;
-    json manifest;
-    try {
-      manifest = checkpoint_detail::write_rank_file(
-          staging, rank, world, pieces,
-          [&](size_t i) { return copy.narrow(0, offsets[i], pieces[i].numel); },
-          options.rank_files());
-      checkpoint_detail::maybe_inject_fault("after_rank_file", rank);
-    } catch (const std::exception& e) {
-      local_error = message_of(e);
-    }
-    copy = at::Tensor();  // the data is on disk: give the memory back now
-    state->error = checkpoint_detail::commit_through_store(
-        store.get(), key, rank, world, local_error, manifest, std::move(skeleton), staging, path,
-        options);
-  });
+  pending->writer =
+      std::thread([state, store, key, rank, world, staging, path, options,
+                   pieces = std::move(pieces), offsets = std::move(offsets), copy = std::move(copy),
+                   skeleton = std::move(skeleton), own_params = std::move(own_params)]() mutable {
+        std::string local_error;
+        json manifest;
+        try {
+          manifest = checkpoint_detail::write_rank_file(
+              staging, rank, world, pieces,
+              [&](size_t i) { return copy.narrow(0, offsets[i], pieces[i].numel); },
+              options.rank_files());
+          if (!own_params.is_null()) {
+            manifest["params"] = std::move(own_params);
+          }
+          checkpoint_detail::maybe_inject_fault("after_rank_file", rank);
+        } catch (const std::exception& e) {
+          local_error = message_of(e);
+        }
+        copy = at::Tensor();  // the data is on disk: give the memory back now
+        state->error = checkpoint_detail::commit_through_store(
+            store.get(), key, rank, world, local_error, manifest, std::move(skeleton), staging,
+            path, options);
+      });
   pending_checkpoint_ = std::move(pending);
 }
 
 bool ZeroOptimizer::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
+
+void ZeroOptimizer::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
+                                         std::string prefix) {
+  checkpoint_store_ = std::move(store);
+  checkpoint_store_prefix_ = std::move(prefix);
+}
+
+std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::next_checkpoint_commit(
+    const std::string& path) {
+  const std::string count = std::to_string(saves_started_++);
+  if (checkpoint_store_) {
+    // The prefix counts this process's optimizers; the path tells apart
+    // those of other processes counted alike (each pipeline stage's).
+    return {checkpoint_store_, checkpoint_store_prefix_ + "/" + path + "/save" + count};
+  }
+  // A shard group's store reaches only its own ranks.
+  TORCH_CHECK_VALUE(
+      !tensor_parallel_comm_ && !replica_comm_, "async_save with ",
+      tensor_parallel_comm_ ? "tensor- or expert-parallel parameters" : "hybrid sharding",
+      " needs a c10d store that every rank of the checkpoint reaches, to agree on "
+      "the commit off the collective stream: call set_checkpoint_store(store, "
+      "prefix) first, e.g. with the default group's store (the Python layer does)");
+  TORCH_CHECK_VALUE(checkpoint_writer_count() == 1 || comm_->store(),
+                    "async_save needs the process group's c10d store to agree on the commit "
+                    "off the collective stream: call set_checkpoint_store(store, prefix) or "
+                    "set_failure_store(store, prefix) first (the Python layer does)");
+  return {comm_->store(), comm_->store_prefix() + "/checkpoint" + count};
+}
 
 std::string ZeroOptimizer::finish_pending_checkpoint() {
   if (!pending_checkpoint_) {

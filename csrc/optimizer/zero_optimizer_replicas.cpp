@@ -90,13 +90,25 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
     save_checkpoint_shards(path, options);
     return;
   }
-  // An asynchronous save's failure would surface on the first replica only.
-  TORCH_CHECK_VALUE(!options.async_save(),
-                    "async_save with hybrid sharding is not supported yet; save synchronously");
   // Replicas hold the same shards: the first one writes them, and the others
   // learn its outcome, so every rank returns or raises alike. Each rank's own
   // files (its RNG states) travel to its first-replica counterpart, which
   // writes them with its own, so every rank resumes its own random streams.
+  // An asynchronous save's outcome reaches the other replicas through the
+  // checkpoint store: their wait_for_checkpoint raises what the writers do.
+  const bool writer = replica_comm_->rank() == 0;
+  std::string observer_error;  // the other replicas': their previous save, the store
+  std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
+  if (!writer) {
+    observer_error = finish_pending_checkpoint();
+    if (options.async_save()) {
+      try {
+        commit = next_checkpoint_commit(checkpoint_path(path, ""));
+      } catch (const c10::Error& e) {
+        observer_error = e.what_without_backtrace();
+      }
+    }
+  }
   const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
       *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
       "replicas/checkpoint_rank_files");
@@ -117,8 +129,8 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   // any of them enters the save's own agreements.
   const std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
   TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
-  std::string error;
-  if (replica_comm_->rank() == 0) {
+  std::string error = observer_error;
+  if (writer) {
     try {
       save_checkpoint_shards(path, with_replicas);
     } catch (const c10::Error& e) {
@@ -129,7 +141,26 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   }
   const std::string agreed = checkpoint_detail::combined_error(
       checkpoint_detail::all_gather_strings(*replica_comm_, error, device_, "replicas/checkpoint"));
+  if (!agreed.empty()) {
+    // A writer's save may be in flight after a failure elsewhere (another
+    // replica's store): it finishes, and its outcome is reported to stderr.
+    finish_checkpoint_quietly();
+  }
   TORCH_CHECK_VALUE(agreed.empty(), "could not save checkpoint ", path, " (replicas ", agreed, ")");
+  if (!writer && options.async_save()) {
+    auto pending = std::make_unique<PendingCheckpoint>();
+    pending->path = checkpoint_path(path, "");
+    PendingCheckpoint* state = pending.get();
+    c10::intrusive_ptr<c10d::Store> store = commit.first;
+    try {
+      store = store->clone();  // the wait must not hold up other users of the store
+    } catch (const std::exception&) {
+    }
+    pending->writer = std::thread([state, store, key = commit.second]() {
+      state->error = checkpoint_detail::await_commit_outcome(store.get(), key);
+    });
+    pending_checkpoint_ = std::move(pending);
+  }
 }
 
 }  // namespace zeroshard

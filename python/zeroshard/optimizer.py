@@ -8,6 +8,7 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ def _plain(value: Any) -> Any:
 
 
 _optimizers_per_group: dict[str, int] = {}
+_optimizers_built = itertools.count()  # names each optimizer's checkpoint keys
 
 
 def _store_of(group: dist.ProcessGroup) -> dist.Store | None:
@@ -70,6 +72,15 @@ def _failure_prefix(group: dist.ProcessGroup) -> str:
     count = _optimizers_per_group.get(name, 0)
     _optimizers_per_group[name] = count + 1
     return f"zeroshard/{name}/optimizer{count}"
+
+
+def _checkpoint_prefix() -> str:
+    """Store keys of one optimizer's saves, equal on every rank of its checkpoints.
+
+    Counted per process, not per group: a checkpoint's tensor-parallel ranks
+    and replicas each build their optimizers in the same order.
+    """
+    return f"zeroshard/checkpoints/optimizer{next(_optimizers_built)}"
 
 
 class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer):
@@ -312,6 +323,12 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             self._impl.set_failure_store(
                 store, _failure_prefix(process_group), float(failure_report_seconds)
             )
+        # Asynchronous saves agree on their commit through a store every rank
+        # of the checkpoint reaches (the shard group's does not span tensor-
+        # parallel ranks or replicas): the default group's.
+        world_store = _store_of(dist.group.WORLD) if dist.is_initialized() else None
+        if world_store is not None:
+            self._impl.set_checkpoint_store(world_store, _checkpoint_prefix())
         replica_store = _store_of(groups.replicate) if groups.replicate is not None else None
         if replica_store is not None:
             self._impl.set_replica_failure_store(

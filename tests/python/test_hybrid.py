@@ -275,16 +275,20 @@ def test_a_2d_mesh_that_is_not_replicate_shard_is_refused_naming_its_dimensions(
 # ---- Checkpoints ---------------------------------------------------------------------
 
 
-def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
+def _resume(rank: int, world_size: int, path: str, async_save: bool = False) -> dict[str, Any]:
     groups = _groups("groups")
     model = make_model(seed=0)
     optimizer = _make(model, 3, groups)
     for step in range(STEPS):
         if step == 4:
-            optimizer.save_checkpoint(path)
+            # Asynchronous: the steps below run while the first replica writes
+            # the state of the call.
+            optimizer.save_checkpoint(path, async_save=async_save)
         optimizer.zero_grad()
         _loss(model, step, rank, world_size).backward()
         optimizer.step()
+    # Every rank learns the outcome, the replicas that wrote nothing too.
+    optimizer.wait_for_checkpoint()
     with optimizer.gathered_parameters():
         uninterrupted = snapshot(model)
     # Resume hybrid (same groups) and plain (sharded over all 4 ranks).
@@ -315,8 +319,9 @@ def _resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
     }
 
 
-def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path) -> None:
-    results = unwrap(run_ranks(WORLD, _resume, str(tmp_path / "ckpt")))
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path, async_save) -> None:
+    results = unwrap(run_ranks(WORLD, _resume, str(tmp_path / "ckpt"), async_save))
     saved_at_4 = reference(steps=4)
     for rank, r in enumerate(results):
         assert max_abs_diff(r["hybrid_resumed"], r["uninterrupted"]) == 0.0, rank
@@ -359,16 +364,43 @@ def test_a_replicate_group_of_other_shard_positions_is_an_error_on_every_rank() 
         ), message
 
 
-def _async(rank: int, world_size: int, path: str) -> str:
+def _async_failure(rank: int, world_size: int, path: str) -> str:
     optimizer = _make(make_model(seed=0), 2, _groups("groups"))
+    # The first replica's writers cannot write (a file where the directory's
+    # parent should be); the call returns, the wait raises on every rank.
     try:
         optimizer.save_checkpoint(path, async_save=True)
+        optimizer.wait_for_checkpoint()
     except ValueError as error:
         return str(error)
     return "no error"
 
 
-def test_async_save_with_hybrid_sharding_is_refused_on_every_rank(tmp_path) -> None:
-    for message in run_ranks(WORLD, _async, str(tmp_path / "ckpt")):
-        assert "async_save with hybrid sharding is not supported yet" in message, message
-    assert not (tmp_path / "ckpt").exists()
+def test_a_failed_async_save_with_hybrid_sharding_is_an_error_on_every_rank(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    path = str(tmp_path / "file" / "ckpt")
+    for rank, message in enumerate(run_ranks(WORLD, _async_failure, path)):
+        print(f"rank {rank}: {message}")
+        assert "could not" in message and "ckpt" in message, (rank, message)
+
+
+def _async_one_rank_shards(rank: int, world_size: int, path: str) -> str:
+    # Shard groups of one rank: the writer commits without an agreement, and
+    # still posts the outcome its replica waits for.
+    groups = zeroshard.groups.hybrid_groups(1)
+    model = make_model(seed=0)
+    optimizer = _make(
+        model, 2, {"process_group": groups.shard, "replicate_group": groups.replicate}
+    )
+    optimizer.zero_grad()
+    _loss(model, 0, rank, world_size).backward()
+    optimizer.step()
+    optimizer.save_checkpoint(path, async_save=True)
+    optimizer.wait_for_checkpoint()
+    return "saved"
+
+
+def test_async_save_with_one_rank_shard_groups_reaches_every_replica(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    assert run_ranks(2, _async_one_rank_shards, path, timeout=120) == ["saved", "saved"]
+    assert zeroshard.checkpoint.read_index(path)["world_size"] == 1

@@ -214,9 +214,11 @@ def _resume(
     save: str | None,
     first: int,
     save_after: int,
+    async_save: bool = False,
 ) -> dict[str, Any]:
     """Steps ``first``..STEPS on a DP x ``tp`` mesh (no TP when ``tp`` is 1),
-    after loading ``load``; saves ``save`` after step ``save_after``."""
+    after loading ``load``; saves ``save`` after step ``save_after`` (with
+    ``async_save``, written while the steps after it run)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp = world_size // tp
@@ -239,8 +241,9 @@ def _resume(
         ).backward()
         optimizer.step()
         if save is not None and step + 1 == save_after:
-            optimizer.save_checkpoint(save)
+            optimizer.save_checkpoint(save, async_save=async_save)
             saved = optimizer.full_state_dict(rank=0)
+    optimizer.wait_for_checkpoint()
     return {"full": optimizer.full_state_dict(rank=0), "saved": saved}
 
 
@@ -248,12 +251,18 @@ def _on_rank0(results: list[dict[str, Any]], key: str = "full") -> dict[str, tor
     return results[0][key]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_tp_checkpoint_resumes_bit_for_bit_at_the_same_layout(stage: int, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "stage, async_save", [(1, False), (2, False), (3, False), (2, True)], ids=str
+)
+def test_tp_checkpoint_resumes_bit_for_bit_at_the_same_layout(
+    stage: int, async_save: bool, tmp_path
+) -> None:
     # Every TP rank writes its pieces into one directory, as unsplit tensors
-    # (a column-split weight is strided there: format version 2).
+    # (a column-split weight is strided there: format version 2). An
+    # asynchronous save agrees on its commit through the default group's
+    # store, which every TP rank reaches.
     path = str(tmp_path / "ckpt")
-    first = unwrap(run_ranks(WORLD, _resume, TP, stage, None, path, 0, 3))
+    first = unwrap(run_ranks(WORLD, _resume, TP, stage, None, path, 0, 3, async_save))
     resumed = unwrap(run_ranks(WORLD, _resume, TP, stage, path, None, 3, 0))
     index = zeroshard.checkpoint.read_index(path)
     assert index["format_version"] == 2 and index["tensor_parallel_size"] == TP

@@ -226,6 +226,12 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // throws, on every rank alike, if it failed. Not collective.
   void wait_for_checkpoint();
   bool checkpoint_in_flight() const;
+  // Where an asynchronous save's ranks agree on its commit when they span
+  // more than the shard group (tensor parallelism, hybrid sharding): a store
+  // every one of them reaches, e.g. the default group's, and a prefix equal
+  // on every rank (the Python layer passes the world's store). Without it,
+  // the shard group's failure store serves a plain data-parallel save.
+  void set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix);
 
   // The per-rank format of shard_state(), for the same world size only.
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -393,6 +399,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
   // Joins an asynchronous save in flight; its error ("" if none).
   std::string finish_pending_checkpoint();
+  // The store and key on which the ranks of the next asynchronous save of
+  // `path` agree (the same on every rank: each counts its saves); throws
+  // where no store reaches them all.
+  std::pair<c10::intrusive_ptr<c10d::Store>, std::string> next_checkpoint_commit(
+      const std::string& path);
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
@@ -464,6 +475,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   };
   std::unique_ptr<PendingCheckpoint> pending_checkpoint_;  // an asynchronous save in flight
   int64_t saves_started_ = 0;                              // names its store keys
+  c10::intrusive_ptr<c10d::Store> checkpoint_store_;       // set_checkpoint_store
+  std::string checkpoint_store_prefix_;
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   // Hooks (backward thread) vs. the training thread; recursive because a
