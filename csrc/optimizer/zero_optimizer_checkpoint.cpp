@@ -332,7 +332,9 @@ void ZeroOptimizer::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
 std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::next_checkpoint_commit(
     const std::string& path) {
   const std::string count = std::to_string(saves_started_++);
-  if (checkpoint_store_) {
+  // Only where the shard group's store does not reach every rank: a plain
+  // data-parallel save keeps its own group's keys.
+  if (checkpoint_store_ && (tensor_parallel_comm_ || replica_comm_)) {
     // The prefix counts this process's optimizers; the path tells apart
     // those of other processes counted alike (each pipeline stage's).
     return {checkpoint_store_, checkpoint_store_prefix_ + "/" + path + "/save" + count};

@@ -101,13 +101,6 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
   if (!writer) {
     observer_error = finish_pending_checkpoint();
-    if (options.async_save()) {
-      try {
-        commit = next_checkpoint_commit(checkpoint_path(path, ""));
-      } catch (const c10::Error& e) {
-        observer_error = e.what_without_backtrace();
-      }
-    }
   }
   const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
       *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
@@ -129,6 +122,16 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   // any of them enters the save's own agreements.
   const std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
   TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
+  // Counted here, where the writers count theirs (in save_checkpoint_shards):
+  // a save refused above counts on no rank.
+  if (!writer && options.async_save()) {
+    try {
+      commit = next_checkpoint_commit(checkpoint_path(path, ""));
+    } catch (const c10::Error& e) {
+      observer_error +=
+          std::string(observer_error.empty() ? "" : "; ") + e.what_without_backtrace();
+    }
+  }
   std::string error = observer_error;
   if (writer) {
     try {
