@@ -366,8 +366,9 @@ def test_a_replicate_group_of_other_shard_positions_is_an_error_on_every_rank() 
 
 def _async_failure(rank: int, world_size: int, path: str) -> str:
     optimizer = _make(make_model(seed=0), 2, _groups("groups"))
-    # The first replica's writers cannot write (a file where the directory's
-    # parent should be); the call returns, the wait raises on every rank.
+    # The first replica's writers cannot create the directory (a file where
+    # its parent should be): the call raises on every rank, the replicas that
+    # write nothing too, and no write is left in flight.
     try:
         optimizer.save_checkpoint(path, async_save=True)
         optimizer.wait_for_checkpoint()
