@@ -318,42 +318,25 @@ def _measure_buffers(
     return out
 
 
-def test_estimate_counts_the_gradient_buckets_and_gathered_units_zeroshard_holds() -> None:
+@pytest.mark.parametrize("fp32_reduction_and_live_cap", [False, True], ids=["default", "capped"])
+def test_estimate_counts_the_gradient_buckets_and_gathered_units_zeroshard_holds(
+    fp32_reduction_and_live_cap: bool,
+) -> None:
     # The buffers beyond the model states: the gradient buckets being filled
     # and reduced (the staging ZeroOptimizer counts) and, at stage 3, the
     # units gathered at once. Six equal buckets, so the estimate's
     # max_buckets_in_flight + 1 of the largest is what is held at the peak;
     # the estimate's reduced shards (and, with host_device, the all-to-all
-    # receive buffers) are the communicator's, not counted here.
-    world = 2
-    for rank_rows in unwrap(run_ranks(world, _measure_buffers)):
-        for row in rank_rows:
-            estimate = zeroshard.estimate(
-                UNITS * UNIT_NUMEL,
-                world_size=world,
-                largest_unit_params=UNIT_NUMEL,
-                stages=(row["stage"],),
-                reduce_bucket_size=UNIT_NUMEL,
-                prefetch_bucket_size=2 * UNIT_NUMEL,
-            )[0]
-            buckets = 2 * 3 * UNIT_NUMEL  # bf16, 2 in flight + 1 filling
-            shards = 2 * 2 * UNIT_NUMEL / world
-            print(f"stage {row['stage']}: measured {row}, estimated {estimate}")
-            assert estimate["staging_bytes"] == buckets + shards
-            assert row["staging"] == buckets
-            if row["stage"] == 3:
-                # The unit in use and the two the prefetch window holds.
-                assert estimate["working_bytes"] == 2 * 3 * UNIT_NUMEL
-                assert 2 * UNIT_NUMEL < row["gathered"] <= estimate["working_bytes"]
-
-
-def test_estimate_follows_max_live_parameters_and_fp32_reduction() -> None:
+    # receive buffers) are the communicator's, not counted here. "capped":
     # stage3_max_live_parameters of two units leaves room for one prefetched
     # unit beside the one in use (the window would hold two), and
     # reduce_in_fp32 makes the bf16 model's buckets and gradient shard fp32.
     world = 2
+    capped = fp32_reduction_and_live_cap
     extra = {"reduce_in_fp32": True, "stage3_max_live_parameters": 2 * UNIT_NUMEL}
-    for rank_rows in unwrap(run_ranks(world, _measure_buffers, extra)):
+    reduced_bytes = 4 if capped else 2  # per gradient element in buckets and shard
+    gathered_units = 2 if capped else 3  # the unit in use and those prefetched
+    for rank_rows in unwrap(run_ranks(world, _measure_buffers, extra if capped else None)):
         for row in rank_rows:
             estimate = zeroshard.estimate(
                 UNITS * UNIT_NUMEL,
@@ -362,13 +345,15 @@ def test_estimate_follows_max_live_parameters_and_fp32_reduction() -> None:
                 stages=(row["stage"],),
                 reduce_bucket_size=UNIT_NUMEL,
                 prefetch_bucket_size=2 * UNIT_NUMEL,
-                max_live_parameters=2 * UNIT_NUMEL,
-                reduce_in_fp32=True,
+                max_live_parameters=2 * UNIT_NUMEL if capped else 1e9,
+                reduce_in_fp32=capped,
             )[0]
+            buckets = reduced_bytes * 3 * UNIT_NUMEL  # 2 in flight + 1 filling
+            shards = reduced_bytes * 2 * UNIT_NUMEL / world
             print(f"stage {row['stage']}: measured {row}, estimated {estimate}")
-            assert row["staging"] == 4 * 3 * UNIT_NUMEL
-            assert estimate["staging_bytes"] == 4 * (3 * UNIT_NUMEL + 2 * UNIT_NUMEL / world)
-            assert estimate["grad_bytes"] == 4 * UNITS * UNIT_NUMEL / world
+            assert estimate["staging_bytes"] == buckets + shards
+            assert row["staging"] == buckets
+            assert estimate["grad_bytes"] == reduced_bytes * UNITS * UNIT_NUMEL / world
             if row["stage"] == 3:
-                assert estimate["working_bytes"] == 2 * 2 * UNIT_NUMEL
+                assert estimate["working_bytes"] == 2 * gathered_units * UNIT_NUMEL
                 assert 2 * UNIT_NUMEL < row["gathered"] <= estimate["working_bytes"]
