@@ -142,8 +142,9 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
       error = e.what();
     }
   }
-  const std::string agreed = checkpoint_detail::combined_error(
-      checkpoint_detail::all_gather_strings(*replica_comm_, error, device_, "replicas/checkpoint"));
+  // Over every group, not the replicas alone: an observer's own error (its
+  // previous save, the store) is seen by no writer.
+  const std::string agreed = agreed_error(error, "replicas/checkpoint");
   if (!agreed.empty()) {
     // A writer's save may be in flight after a failure elsewhere (another
     // replica's store): it finishes, and its outcome is reported to stderr.
