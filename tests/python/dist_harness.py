@@ -1,9 +1,20 @@
-"""Runs a function on W ranks, each a spawned process joined by a Gloo group.
+"""Runs a function on W ranks, each a fresh process joined by a Gloo group.
 
 Results come back to the parent in rank order; an exception on a rank comes
 back as a ``RankError`` carrying its type and message, so tests can assert
 that every rank raised. A run that does not finish in time is a hang: the
 processes are killed and the test fails.
+
+Rank processes fork from a multiprocessing fork server that has imported
+torch, torch._dynamo and zeroshard once: a spawned rank spends 3-4 s of CPU
+importing them, which was about half of the suite's time on two cores. The
+server runs no torch operation, so no thread pool or process group crosses the
+fork, and each rank is still a new process with its own state. Two things a
+forked rank does not get from the test, and the harness gives it: the test's
+stdout and stderr (pytest's capture files), passed as file descriptors; and the
+test's environment, copied into the rank. Variables read when a process or a
+library starts (glibc's ``MALLOC_*``, OpenMP's, torch's) cannot be changed that
+late: where the test has changed one, its ranks are spawned instead.
 """
 
 from __future__ import annotations
@@ -17,11 +28,21 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Imported once by the fork server, inherited by every rank forked from it.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard", "tiny_models"]
+
+
+# Read when a process or a library starts: a change to one after the fork
+# server started needs a spawned rank.
+_START_VARIABLE_PREFIXES = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "TORCH_")
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)  # the fork server's: it starts later, unchanged
 
 
 @dataclass
@@ -33,9 +54,41 @@ class RankError:
     traceback: str
 
 
+class _InheritedFd:
+    """A file descriptor of the test process, duplicated into the rank process.
+
+    Pickled while the process starts, so multiprocessing passes the descriptor
+    itself (over the fork server's socket, or to the spawned child).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[..., int], tuple[Any]]:
+        return _detach_fd, (reduction.DupFd(self.fd),)
+
+
+def _detach_fd(duplicate: Any) -> int:
+    return duplicate.detach()
+
+
 def _worker(
-    rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, results: Any
+    rank: int,
+    world_size: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    output_fds: tuple[int, int],
+    environment: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    # Write where the test's own output goes now (pytest may be capturing it).
+    for target, fd in zip((1, 2), output_fds, strict=True):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -56,6 +109,26 @@ def _worker(
         dist.destroy_process_group()
 
 
+def _rank_context() -> Any:
+    """The fork server's context, or spawn's where a start-time variable has changed.
+
+    ``ZEROSHARD_TEST_START_METHOD=spawn`` spawns every rank, as before the
+    fork server.
+    """
+    changed = {
+        k
+        for k in set(os.environ) | set(_ENVIRONMENT_AT_IMPORT)
+        if os.environ.get(k) != _ENVIRONMENT_AT_IMPORT.get(k)
+    }
+    if os.environ.get("ZEROSHARD_TEST_START_METHOD") == "spawn" or any(
+        k.startswith(_START_VARIABLE_PREFIXES) for k in changed
+    ):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
 def run_ranks(
     world_size: int,
     fn: Callable[..., Any],
@@ -68,12 +141,24 @@ def run_ranks(
     With ``allow_killed``, a rank process that dies without reporting (SIGKILL)
     gives ``"killed"`` instead of failing the run as a hang.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results))
+            ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    world_size,
+                    init_file,
+                    fn,
+                    args,
+                    results,
+                    (_InheritedFd(1), _InheritedFd(2)),
+                    dict(os.environ),
+                ),
+            )
             for r in range(world_size)
         ]
         for p in procs:

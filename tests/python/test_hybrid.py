@@ -9,6 +9,8 @@ small agreement flags; no parameter all-gather crosses a shard group.
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
 
 import pytest
@@ -405,3 +407,63 @@ def test_async_save_with_one_rank_shard_groups_reaches_every_replica(tmp_path) -
     path = str(tmp_path / "ckpt")
     assert run_ranks(2, _async_one_rank_shards, path, timeout=120) == ["saved", "saved"]
     assert zeroshard.checkpoint.read_index(path)["world_size"] == 1
+
+
+def _fill(directory: str) -> None:
+    """Writes a file into ``directory`` until the file system is full."""
+    with open(os.path.join(directory, "filler"), "wb") as f:
+        chunk = b"\0" * 65536
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error
+
+
+def _disk_fills(rank: int, world_size: int, disk: str, how: str) -> dict[str, Any]:
+    groups = _groups("groups") if how == "hybrid" else {}
+    model = make_model(seed=0)
+    optimizer = _make(model, 3, groups)
+    for step in range(STEPS):
+        if step == 2:
+            optimizer.save_checkpoint(os.path.join(disk, "first"))
+            with optimizer.gathered_parameters():
+                saved = snapshot(model)
+            if rank == 0:
+                _fill(disk)
+            dist.barrier()
+        if step == 4:
+            # Accepted (the staging directory needs no data block); the writes
+            # fail on the background thread while the steps below run.
+            optimizer.save_checkpoint(os.path.join(disk, "second"), async_save=True)
+        optimizer.zero_grad()
+        _loss(model, step, rank, world_size).backward()
+        optimizer.step()
+    try:
+        optimizer.wait_for_checkpoint()
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    # The previous checkpoint is whole: it loads, on a full disk too.
+    resumed = make_model(seed=1)
+    again = _make(resumed, 3, groups)
+    again.load_checkpoint(os.path.join(disk, "first"))
+    with again.gathered_parameters():
+        loaded = snapshot(resumed)
+    return {"error": error, "saved": saved, "loaded": loaded}
+
+
+@pytest.mark.parametrize("how", ["plain", "hybrid"])
+def test_a_disk_that_fills_during_an_async_save_is_an_error_on_every_rank(small_disk, how) -> None:
+    world_size = 2 if how == "plain" else WORLD
+    results = unwrap(run_ranks(world_size, _disk_fills, str(small_disk), how, timeout=120))
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r['error']}")
+        # With hybrid sharding ranks 2 and 3 write nothing: they learn the
+        # writers' failure from the outcome rank 0 posts.
+        assert "the asynchronous save of checkpoint" in r["error"], (rank, r["error"])
+        assert "second" in r["error"] and "No space left on device" in r["error"], r["error"]
+        assert max_abs_diff(r["loaded"], r["saved"]) == 0.0, rank
+    assert not (small_disk / "second").exists()
+    assert (small_disk / "first" / "index.json").exists()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -303,22 +302,6 @@ def _construct(rank: int, world_size: int, path: str, width: int) -> str:
     except (ValueError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 1 MiB tmpfs (CI runs as root; elsewhere the tests using it skip, saying why)."""
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_bad_nvme_paths_fail_on_every_rank(tmp_path: Path, small_disk: Path) -> None:
