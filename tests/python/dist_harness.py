@@ -6,19 +6,27 @@ that every rank raised. A run that does not finish in time is a hang: the
 processes are killed and the test fails.
 
 Rank processes fork from a multiprocessing fork server that has imported
-torch, torch._dynamo and zeroshard once: a spawned rank spends 3-4 s of CPU
-importing them, which was about half of the suite's time on two cores. The
-server runs no torch operation, so no thread pool or process group crosses the
-fork, and each rank is still a new process with its own state. Two things a
-forked rank does not get from the test, and the harness gives it: the test's
-stdout and stderr (pytest's capture files), passed as file descriptors; and the
-test's environment, copied into the rank. Variables read when a process or a
-library starts (glibc's ``MALLOC_*``, OpenMP's, torch's) cannot be changed that
-late: where the test has changed one, its ranks are spawned instead.
+torch and torch._dynamo once: a spawned rank spends 3-4 s of CPU importing
+them, which was about half of the suite's time on two cores. (Python 3.11's
+fork server ignores the test's ``sys.path`` when it preloads, so zeroshard,
+~50 ms, is imported by each rank.) The server runs no torch operation, so no
+thread pool or process group crosses the fork, and each rank is still a new
+process with its own state. Two things a forked rank does not get from the
+test, and the harness gives it: the test's stdout and stderr (pytest's capture
+files), passed as file descriptors; and the test's environment, copied into
+the rank. Variables read when a process or a library starts (glibc's
+``MALLOC_*``, the loader's, OpenMP's and the BLAS libraries', Python's,
+torch's) cannot be changed that late: where the test has changed one, its
+ranks are spawned instead.
+
+A forked rank ends with ``os._exit``: its atexit handlers do not run (a
+spawned one's do). The library's exit paths are tested on real processes
+(``test_exit.py``, torchrun), not through this harness.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import io
 import os
@@ -36,12 +44,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Imported once by the fork server, inherited by every rank forked from it.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard", "tiny_models"]
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 # Read when a process or a library starts: a change to one after the fork
 # server started needs a spawned rank.
-_START_VARIABLE_PREFIXES = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "TORCH_")
+# (Not TORCHINDUCTOR_*: torch sets its cache directory in the test process on
+# first use, and a rank that compiles finds the same one.)
+_START_VARIABLE_PREFIXES = (
+    *("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "PYTHON"),
+    *("TORCH_", "PYTORCH_", "TORCHDYNAMO_"),
+)
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)  # the fork server's: it starts later, unchanged
 
 
@@ -107,6 +120,8 @@ def _worker(
     results.put((rank, buffer.getvalue()))
     if dist.is_initialized():
         dist.destroy_process_group()
+    # os._exit follows (a forked rank): what C++ printed must not stay buffered.
+    ctypes.CDLL(None).fflush(None)
 
 
 def _rank_context() -> Any:
