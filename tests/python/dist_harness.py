@@ -34,6 +34,7 @@ import queue
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -49,11 +50,13 @@ _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 # Read when a process or a library starts: a change to one after the fork
 # server started needs a spawned rank.
-# (Not TORCHINDUCTOR_*: torch sets its cache directory in the test process on
-# first use, and a rank that compiles finds the same one.)
+# Not TORCHINDUCTOR_* nor PYTORCH_*: torch sets inductor's cache directory in
+# the test process on first use, and importing deepspeed sets
+# PYTORCH_NVML_BASED_CUDA_CHECK; neither changes what a CPU rank does, and
+# counting them would spawn every later test's ranks.
 _START_VARIABLE_PREFIXES = (
     *("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "PYTHON"),
-    *("TORCH_", "PYTORCH_", "TORCHDYNAMO_"),
+    *("TORCH_", "TORCHDYNAMO_"),
 )
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)  # the fork server's: it starts later, unchanged
 
@@ -135,9 +138,15 @@ def _rank_context() -> Any:
         for k in set(os.environ) | set(_ENVIRONMENT_AT_IMPORT)
         if os.environ.get(k) != _ENVIRONMENT_AT_IMPORT.get(k)
     }
-    if os.environ.get("ZEROSHARD_TEST_START_METHOD") == "spawn" or any(
-        k.startswith(_START_VARIABLE_PREFIXES) for k in changed
-    ):
+    if os.environ.get("ZEROSHARD_TEST_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
+    read_at_start = sorted(k for k in changed if k.startswith(_START_VARIABLE_PREFIXES))
+    if read_at_start:
+        # Not silent: a spawned rank costs seconds (pytest lists the warning).
+        warnings.warn(
+            f"dist_harness: spawning the ranks, the environment changed {read_at_start}",
+            stacklevel=3,
+        )
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
