@@ -97,30 +97,34 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   // An asynchronous save's outcome reaches the other replicas through the
   // checkpoint store: their wait_for_checkpoint raises what the writers do.
   const bool writer = replica_comm_->rank() == 0;
-  std::string observer_error;  // the other replicas': their previous save, the store
+  // The previous asynchronous save's outcome, on writers and observers alike:
+  // it is reported by the first agreement below, with a refusal of this save's
+  // names if there is one, so that neither hides the other.
+  const std::string previous_error = finish_pending_checkpoint();
+  std::string observer_error;  // the other replicas': their checkpoint store
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
-  if (!writer) {
-    observer_error = finish_pending_checkpoint();
-  }
   const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
       *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
       "replicas/checkpoint_rank_files");
   CheckpointSaveOptions with_replicas = options;
-  std::string collision;
+  std::string refusal;
   if (replica_comm_->rank() == 0) {
     for (size_t r = 1; r < replica_files.size(); ++r) {
       for (auto& [name, content] : checkpoint_detail::decode_files(replica_files[r])) {
         if (!with_replicas.rank_files().emplace(name, std::move(content)).second) {
-          collision = "rank file '" + name +
-                      "' is given by two replicas; rank file names must differ between ranks "
-                      "(name them by checkpoint_rank())";
+          refusal = "rank file '" + name +
+                    "' is given by two replicas; rank file names must differ between ranks "
+                    "(name them by checkpoint_rank())";
         }
       }
     }
   }
   // Agreed by every rank (shard, replicate and tensor-parallel groups) before
   // any of them enters the save's own agreements.
-  const std::string refused = agreed_error(collision, "checkpoint_rank_file_names");
+  if (!previous_error.empty()) {
+    refusal += std::string(refusal.empty() ? "" : "; ") + previous_error;
+  }
+  const std::string refused = agreed_error(refusal, "checkpoint_rank_file_names");
   TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
   // Counted here, where the writers count theirs (in save_checkpoint_shards):
   // a save refused above counts on no rank.
@@ -128,8 +132,7 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
     try {
       commit = next_checkpoint_commit(checkpoint_path(path, ""));
     } catch (const c10::Error& e) {
-      observer_error +=
-          std::string(observer_error.empty() ? "" : "; ") + e.what_without_backtrace();
+      observer_error = e.what_without_backtrace();
     }
   }
   std::string error = observer_error;
@@ -143,7 +146,7 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
     }
   }
   // Over every group, not the replicas alone: an observer's own error (its
-  // previous save, the store) is seen by no writer.
+  // store) is seen by no writer.
   const std::string agreed = agreed_error(error, "replicas/checkpoint");
   if (!agreed.empty()) {
     // A writer's save may be in flight after a failure elsewhere (another

@@ -421,7 +421,9 @@ def _fill(directory: str) -> None:
             assert error.errno == errno.ENOSPC, error
 
 
-def _save_to_a_full_disk(rank: int, world_size: int, disk: str, how: str) -> dict[str, Any]:
+def _save_to_a_full_disk(
+    rank: int, world_size: int, disk: str, how: str, then: str = "wait"
+) -> dict[str, Any]:
     groups = _groups("groups") if how == "hybrid" else {}
     model = make_model(seed=0)
     optimizer = _make(model, 3, groups)
@@ -441,10 +443,19 @@ def _save_to_a_full_disk(rank: int, world_size: int, disk: str, how: str) -> dic
         _loss(model, step, rank, world_size).backward()
         optimizer.step()
     try:
-        optimizer.wait_for_checkpoint()
+        if then == "wait":
+            optimizer.wait_for_checkpoint()
+        else:
+            # The next save, refused for its rank file names: every replica
+            # gives "rng.pt". The refusal must not hide the failed save.
+            optimizer._impl.save_checkpoint(
+                os.path.join(disk, "third"), rank_files={"rng.pt": b"x"}
+            )
         error = "no error"
     except ValueError as e:
         error = str(e)
+    # Reported once: nothing is pending any more.
+    optimizer.wait_for_checkpoint()
     # The previous checkpoint is whole: it loads, on a full disk too.
     resumed = make_model(seed=1)
     again = _make(resumed, 3, groups)
@@ -469,3 +480,24 @@ def test_an_async_save_that_fails_in_the_background_is_an_error_on_every_rank(
         assert max_abs_diff(r["loaded"], r["saved"]) == 0.0, rank
     assert not (small_disk / "second").exists()
     assert (small_disk / "first" / "index.json").exists()
+
+
+def test_a_refused_save_also_reports_the_previous_async_save_failure_on_every_rank(
+    small_disk,
+) -> None:
+    # Hybrid sharding: ranks 2 and 3 observe the failed save. Their earlier
+    # outcome used to be dropped when the rank-file-name refusal raised first.
+    results = unwrap(
+        run_ranks(WORLD, _save_to_a_full_disk, str(small_disk), "hybrid", "clash", timeout=120)
+    )
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r['error']}")
+        assert "rank file 'rng.pt' is given by two replicas" in r["error"], (rank, r["error"])
+        assert "the asynchronous save of checkpoint" in r["error"], (rank, r["error"])
+        assert "No space left on device" in r["error"], (rank, r["error"])
+        # Reported by both replicas: the writers (ranks 0 and 1) from their own
+        # writes, the observers (2 and 3) from the outcome the writers posted.
+        assert r["error"].count("the asynchronous save of checkpoint") == 2, (rank, r["error"])
+        assert max_abs_diff(r["loaded"], r["saved"]) == 0.0, rank
+    assert not (small_disk / "second").exists()
+    assert not (small_disk / "third").exists()
