@@ -114,6 +114,7 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
+        _wait_until_every_rank_joined(rank, world_size)
         value: Any = fn(rank, world_size, *args)
     except BaseException as error:  # noqa: BLE001 - reported to the parent
         value = RankError(type(error).__name__, str(error), traceback.format_exc())
@@ -125,6 +126,23 @@ def _worker(
         dist.destroy_process_group()
     # os._exit follows (a forked rank): what C++ printed must not stay buffered.
     ctypes.CDLL(None).fflush(None)
+
+
+def _wait_until_every_rank_joined(rank: int, world_size: int) -> None:
+    """Returns once every rank's default group is set up.
+
+    Gloo's connectFullMesh can return on one rank while a peer is still
+    connecting. A test function that raises before any collective (a config
+    error) then destroys its group and closes the pairs that peer is still
+    connecting: "Connection closed by peer" in the peer's init_process_group,
+    seen once in a full run (test_engine's config-error test). A store
+    barrier keeps every rank's group alive until all are connected.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"dist_harness/joined/{rank}", "1")
+    store.wait(
+        [f"dist_harness/joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=60)
+    )
 
 
 def _rank_context() -> Any:
