@@ -48,8 +48,11 @@ DEFAULT_VARIANTS = [
     "zeroshard_stage3",
     "zeroshard_stage3_nowindow",
 ]
-# Each zeroshard variant's step time is compared with this peer's.
-BASELINE = {"zeroshard_stage3": "fsdp2", "zeroshard_stage3_nowindow": "fsdp2"}
+
+
+def baseline_of(name: str) -> str:
+    """The peer each variant's step time is compared with: FSDP2 for stage 3."""
+    return "fsdp2" if name.startswith(("zeroshard_stage3", "fsdp2")) else "ddp_adamw"
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -137,7 +140,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in args.variants:
-        baseline = BASELINE.get(name, "ddp_adamw")
+        baseline = baseline_of(name)
         if baseline not in rank0 or not name.startswith("zeroshard"):
             baseline = name
         ratios = [a / b for a, b in zip(rank0[name]["step"], rank0[baseline]["step"], strict=True)]

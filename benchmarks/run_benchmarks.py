@@ -114,13 +114,18 @@ class Variant:
             # "nowindow": no prefetch and no reuse window, every unit released
             # right after use (least memory, 3x the parameters gathered per step).
             stage3 = {"module": model, "unit_classes": (Block,)} if stage == 3 else {}
-            if name.endswith("nowindow"):
+            if "_nowindow" in name:
                 stage3["stage3_prefetch_bucket_size"] = 0
             # "rsallreduce": Gloo's reduce-scatter as c10d emulates it (an
             # all-reduce, twice the bytes on the wire) instead of zeroshard's
             # all-to-all plus local sum, to show what the all-to-all buys.
             if name.endswith("_rsallreduce"):
                 stage3["gloo_reduce_scatter_all_to_all"] = False
+            # "allgather": Gloo's own allgather for the parameter all-gathers
+            # (it receives into a buffer of its own and copies out) instead of
+            # zeroshard's in-place broadcast per rank, to show what that buys.
+            if name.endswith("_allgather"):
+                stage3["gloo_all_gather_broadcasts"] = False
             # "fused": ATen's fused Adam kernel (torch.optim's fused=True).
             if name.endswith("_fused"):
                 stage3["fused"] = True

@@ -187,6 +187,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.reduce_in_fp32(value.cast<bool>());
     } else if (key == "gloo_reduce_scatter_all_to_all") {
       options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
+    } else if (key == "gloo_all_gather_broadcasts") {
+      options.gloo_all_gather_broadcasts(value.cast<bool>());
     } else if (key == "gradient_divide_factor") {
       options.gradient_divide_factor(value.cast<double>());
     } else if (key == "stage1_reduce_in_backward") {

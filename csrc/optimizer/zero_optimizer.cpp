@@ -71,6 +71,7 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
                     "group of ranks holding the same shard in the other shard groups");
   comm_ = std::make_unique<Communicator>(std::move(process_group));
   comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
+  comm_->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
   if (replicate_group && replicate_group->getSize() > 1) {
     replica_comm_ = std::make_unique<Communicator>(std::move(replicate_group));
   }
@@ -508,15 +509,17 @@ void ZeroOptimizer::launch_parameter_gathers(size_t g, size_t end) {
   GroupShards& shard = shards_[g];
   for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {
     const Bucket& bucket = layout.buckets()[b];
-    // A copy even for fp32: the input must not alias the output. With
-    // offload the step already wrote this rank's slice of flat_param.
-    at::Tensor input =
-        offloaded_
-            ? shard.flat_param
-                  .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()), bucket.shard_numel)
-                  .clone()
-            : master_slice(g, bucket).to(shard.flat_param.scalar_type(),
-                                         /*non_blocking=*/false, /*copy=*/true);
+    // Gathered from this rank's own slice of flat_param: the fp32 master is
+    // that slice (written in place by the update), a 16-bit one is rounded
+    // into it here, and with offload the step already wrote it.
+    at::Tensor input = shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
+                                               bucket.shard_numel);
+    if (!offloaded_) {
+      const at::Tensor master = master_slice(g, bucket);
+      if (!master.is_alias_of(input)) {
+        input.copy_(master);
+      }
+    }
     at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
     parameter_gathers_.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
     parameter_gather_inputs_.push_back(std::move(input));

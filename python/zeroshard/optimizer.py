@@ -130,6 +130,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             reduce-scatter with one all-to-all and a local sum, moving each
             element once, instead of c10d's all-reduce emulation (twice the
             bytes). No effect on NCCL.
+        gloo_all_gather_broadcasts: on Gloo, all-gather parameters with one
+            in-place broadcast per rank instead of Gloo's allgather, which
+            receives into a buffer of its own and copies it out. No effect on
+            NCCL.
         stage1_reduce_in_backward: stage 1 reduce-scatters during backward
             (with ``overlap_comm``) while keeping ``.grad``; holds the gradient
             shard from backward to the step. Off by default.
@@ -229,6 +233,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         skip_nonfinite_steps: bool = False,
         reduce_in_fp32: bool = False,
         gloo_reduce_scatter_all_to_all: bool = True,
+        gloo_all_gather_broadcasts: bool = True,
         stage1_reduce_in_backward: bool = False,
         offload_optimizer: str | Mapping[str, Any] | None = None,
         offload_param: str | Mapping[str, Any] | None = None,
@@ -301,6 +306,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             "skip_nonfinite_steps": bool(skip_nonfinite_steps),
             "reduce_in_fp32": bool(reduce_in_fp32),
             "gloo_reduce_scatter_all_to_all": bool(gloo_reduce_scatter_all_to_all),
+            "gloo_all_gather_broadcasts": bool(gloo_all_gather_broadcasts),
             "stage1_reduce_in_backward": bool(stage1_reduce_in_backward),
             "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),
             "offload_param": offload_options(offload_param, "offload_param"),

@@ -1,12 +1,16 @@
 // Communicator: a Work the backend's worker thread still references when
 // wait() returns is destroyed on the caller's thread, never on the worker's
-// (see [Note: Work dies on the caller's thread] in communicator.h).
+// (see [Note: Work dies on the caller's thread] in communicator.h); the
+// all-gather done as broadcasts on Gloo.
 #include "zeroshard/communicator.h"
 
 #ifdef ZEROSHARD_WITH_GLOO
 #include "rank_threads.h"
 #endif
 
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <gtest/gtest.h>
 
@@ -49,6 +53,64 @@ TEST(CommunicatorTest, WaitedWorkIsReleasedOnTheCallersThread) {
     EXPECT_EQ(errors[rank], "") << "rank " << rank;
     EXPECT_EQ(sums[rank], 8 * 1 + 8 * 2) << "rank " << rank;
     EXPECT_EQ(leftover_uses[rank], 1) << "rank " << rank;
+  }
+}
+
+// [Note: an all-gather as broadcasts]: the same values as Gloo's allgather, at
+// a world size that divides nothing, for an input of its own and for the
+// output's own slice, in fp32 and bf16; the same bytes counted; and every
+// broadcast's Work retired on this thread.
+TEST(CommunicatorTest, AllGatherAsBroadcastsEqualsGlooAllgather) {
+  constexpr int kWorld = 3;
+  constexpr int64_t kSlice = 1237;
+  std::vector<std::string> failures(kWorld);
+  auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    std::string& failure = failures[rank];
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      for (const bool in_place : {false, true}) {
+        std::vector<at::Tensor> outputs;
+        std::vector<int64_t> bytes;
+        for (const bool broadcasts : {true, false}) {
+          Communicator comm(pg);
+          comm.set_all_gather_broadcasts(broadcasts);
+          at::Tensor output = at::full({kSlice * kWorld}, -1.0, dtype);
+          // Each rank's slice differs from every other's, element by element.
+          at::Tensor mine = (at::arange(kSlice, at::kFloat) * 0.37 + rank * 1000).to(dtype);
+          at::Tensor input = mine;
+          if (in_place) {
+            input = output.narrow(0, rank * kSlice, kSlice);
+            input.copy_(mine);
+          }
+          comm.all_gather(output, input, "gather").wait();
+          comm.release_finished_work();
+          outputs.push_back(output);
+          bytes.push_back(comm.stats().all_gather_bytes);
+        }
+        // The Communicators are gone: nothing else holds the output's storage.
+        const std::string what = std::string(c10::toString(dtype)) +
+                                 (in_place ? ", in place" : ", separate input") + ": ";
+        if (!at::equal(outputs[0], outputs[1])) {
+          failure += what + "broadcasts and allgather differ; ";
+        }
+        for (int r = 0; r < kWorld; ++r) {
+          at::Tensor expected = (at::arange(kSlice, at::kFloat) * 0.37 + r * 1000).to(dtype);
+          if (!at::equal(outputs[0].narrow(0, r * kSlice, kSlice), expected)) {
+            failure += what + "slice " + std::to_string(r) + " is wrong; ";
+          }
+        }
+        if (bytes[0] != bytes[1] || bytes[0] != outputs[0].numel() * outputs[0].element_size()) {
+          failure += what + "bytes counted " + std::to_string(bytes[0]) + " and " +
+                     std::to_string(bytes[1]) + "; ";
+        }
+        if (outputs[0].storage().use_count() != 1) {
+          failure += what + "a Work still holds the output; ";
+        }
+      }
+    }
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(failures[rank], "") << "rank " << rank;
   }
 }
 

@@ -254,3 +254,52 @@ def test_bytes_per_step_equal_stage2_theory(trained) -> None:
         assert stats["all_gather_bytes"] == padded
         # One int32 flag per parameter (had a gradient) plus the overflow flag.
         assert stats["all_reduce_bytes"] == (m["num_params"] + 1) * 4
+
+
+def _train_with_collectives(rank: int, world_size: int, stage: int, broadcasts: bool, a2a: bool):
+    from tiny_models import train
+
+    model = make_model(seed=0)
+    stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(
+        param_groups(model, _LRS["adamw"]),
+        "adamw",
+        stage=stage,
+        weight_decay=0.1,
+        reduce_bucket_size=BUCKET,
+        gloo_all_gather_broadcasts=broadcasts,
+        gloo_reduce_scatter_all_to_all=a2a,
+        **stage3,
+    )
+    train(model, optimizer, STEPS, rank, world_size)
+    with optimizer.gathered_parameters():
+        return snapshot(model)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gloo_collective_choices_give_the_same_parameters(stage: int) -> None:
+    """Gloo's collectives as zeroshard issues them, against Gloo's own.
+
+    The all-gather as one in-place broadcast per rank (the default) moves the
+    same values as Gloo's allgather, so those two runs must agree bit for bit.
+    The reduce-scatter (all-to-all plus a local sum, or c10d's all-reduce
+    emulation) may round differently; every choice stays within the 1e-6
+    bound of single-process torch.optim, at a world size that divides nothing.
+    """
+    from tiny_models import max_abs_diff, train
+
+    model = make_model(seed=0)
+    optimizer = torch.optim.AdamW(param_groups(model, _LRS["adamw"]), weight_decay=0.1)
+    train(model, optimizer, STEPS, 0, 1)
+    expected = snapshot(model)
+    runs = {
+        (b, a): unwrap(run_ranks(3, _train_with_collectives, stage, b, a))
+        for b, a in [(True, True), (False, True), (True, False)]
+    }
+    for rank in range(3):
+        # Only the all-gather differs: the same bits.
+        assert max_abs_diff(runs[(True, True)][rank], runs[(False, True)][rank]) == 0.0
+        for choice, results in runs.items():
+            diff = max_abs_diff(results[rank], expected)
+            print(f"stage {stage} rank {rank} broadcasts/all-to-all {choice}: {diff:.2e}")
+            assert diff <= TOLERANCE

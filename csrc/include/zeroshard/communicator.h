@@ -80,6 +80,9 @@ class PendingCollective {
     received_ = std::move(received);
     output_ = std::move(output);
   }
+  // One collective made of several backend Works (an all-gather done as one
+  // broadcast per rank): wait() waits for all of them.
+  void also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_work_.push_back(std::move(work)); }
   PendingCollective(PendingCollective&& other) noexcept = default;
   PendingCollective& operator=(PendingCollective&& other) noexcept;
   PendingCollective(const PendingCollective&) = delete;
@@ -93,6 +96,7 @@ class PendingCollective {
   void retire() noexcept;
 
   c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> more_work_;  // see also_wait_for
   CollectiveKind kind_ = CollectiveKind::kAllReduce;
   int64_t bytes_ = 0;
   std::string tag_;
@@ -127,8 +131,11 @@ class Communicator {
   // The all-to-all reduce-scatter's receive rows held for the next call.
   int64_t cached_bytes() const { return receive_buffers_.cached_bytes(); }
   int64_t release_cached_buffers() { return receive_buffers_.clear(); }
-  // output = concatenation over ranks of input.
+  // output = concatenation over ranks of input. `input` may be this rank's
+  // slice of `output` itself (nothing is copied then, on Gloo).
   PendingCollective all_gather(at::Tensor& output, at::Tensor& input, const std::string& tag);
+  // See ZeroOptions::gloo_all_gather_broadcasts.
+  void set_all_gather_broadcasts(bool enabled) { broadcast_all_gather_ = enabled; }
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
 
   // Collective: turns an error found on some ranks into an error on every
@@ -193,6 +200,7 @@ class Communicator {
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                           const std::string& tag);
   void check_order(CollectiveKind kind, const at::Tensor& tensor, const std::string& tag);
+  bool is_gloo_on_cpu(const at::Tensor& tensor) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   int64_t rank_;
@@ -208,6 +216,7 @@ class Communicator {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_prefix_;
   bool all_to_all_reduce_scatter_ = true;
+  bool broadcast_all_gather_ = true;
   HostBufferPool receive_buffers_;  // the all-to-all's rows, one step to the next
 
   friend class PendingCollective;

@@ -46,6 +46,12 @@ struct ZeroOptions {
   // all-to-all and sums the W received chunks locally: each element crosses
   // the wire once. No effect on backends with a native reduce-scatter (NCCL).
   TORCH_ARG(bool, gloo_reduce_scatter_all_to_all) = true;
+  // Gloo's all-gather receives into a buffer of its own and copies it out
+  // (an allocation and a full copy per call). With this on (the default),
+  // zeroshard all-gathers with one in-place broadcast per rank instead: the
+  // same bytes, no copy. See [Note: an all-gather as broadcasts]. No effect on
+  // NCCL.
+  TORCH_ARG(bool, gloo_all_gather_broadcasts) = true;
   // Stage 1: reduce-scatter during backward from the gradient hooks (as stage
   // 2) while keeping .grad; see [Note: stage 1 overlap]. Off by default: it
   // holds the gradient shard (Psi/N) from backward to the step, beyond the
