@@ -41,6 +41,9 @@ class CMakeBuild(build_ext):
             "-DZEROSHARD_BUILD_PYTHON=ON",
             f"-DZEROSHARD_PYTHON_PACKAGE_DIR={package_dir}",
         ]
+        # e.g. RelWithDebInfo for a backtrace with line numbers (gpu_check.sh).
+        if os.environ.get("ZEROSHARD_CMAKE_BUILD_TYPE"):
+            configure.append(f"-DCMAKE_BUILD_TYPE={os.environ['ZEROSHARD_CMAKE_BUILD_TYPE']}")
         if not os.path.exists(os.path.join(BUILD_DIR, "CMakeCache.txt")):
             # A first build for Python alone: no GoogleTest needed.
             configure += [

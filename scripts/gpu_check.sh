@@ -34,13 +34,36 @@ status=0
     ninja_dir=$("$PYTHON" -c "import ninja, os; print(ninja.BIN_DIR)" 2>/dev/null || true)
     [ -n "$ninja_dir" ] && export PATH="$ninja_dir:$PATH"
   fi
+  # Line numbers in a backtrace, at -O2 still.
+  export ZEROSHARD_CMAKE_BUILD_TYPE="${ZEROSHARD_CMAKE_BUILD_TYPE:-RelWithDebInfo}"
   timeout 300 "$PYTHON" setup.py -q build_ext --inplace >"$RESULTS/build.txt" 2>&1 \
     || { echo "build FAILED (see build.txt)"; tail -30 "$RESULTS/build.txt"; exit 1; }
   echo "built in $(( $(date +%s) - start )) s"
 
   echo "== CUDA tests"
+  # --timeout: a crashed rank must not eat the machine's minutes (pytest-timeout
+  # is in that machine's image; without it the outer timeout still holds).
+  timeout_flag=()
+  "$PYTHON" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 90)
   timeout 300 "$PYTHON" -m pytest tests/python/test_cuda.py -v -s -p no:cacheprovider \
-    --junitxml="$RESULTS/cuda_tests.xml" || status=1
+    "${timeout_flag[@]}" --junitxml="$RESULTS/cuda_tests.xml" || status=1
+
+  echo "== NVMe offload on the GPU, one process (native backtrace if it crashes)"
+  # The known crash (CHANGELOG, Known issues): with cuda-gdb there, the
+  # backtrace of every thread goes to nvme_backtrace.txt.
+  nvme_run=("$PYTHON" tests/python/scripts/nvme_on_device.py --stage 2 --pin)
+  export RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731
+  if timeout 60 "${nvme_run[@]}"; then
+    echo "NVMe on the GPU: ok"
+  else
+    status=1
+    if command -v cuda-gdb >/dev/null; then
+      MASTER_PORT=29732 timeout 120 cuda-gdb -batch -ex run -ex "thread apply all bt 40" \
+        --args "${nvme_run[@]}" >"$RESULTS/nvme_backtrace.txt" 2>&1
+      grep -n -B2 -A40 "SIGSEGV" "$RESULTS/nvme_backtrace.txt" | head -80
+    fi
+  fi
+  unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
 
   echo "== the main job on one GPU (NCCL): stage 3 + CPU offload, stage 2 + NVMe offload"
   export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
