@@ -74,6 +74,8 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   comm_->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
   if (replicate_group && replicate_group->getSize() > 1) {
     replica_comm_ = std::make_unique<Communicator>(std::move(replicate_group));
+    replica_comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
+    replica_comm_->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
   }
   const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
                           ? at::Tensor()

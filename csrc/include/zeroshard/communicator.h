@@ -94,6 +94,7 @@ class PendingCollective {
 
  private:
   void retire() noexcept;
+  static void wait_quietly(const c10::intrusive_ptr<c10d::Work>& work) noexcept;
 
   c10::intrusive_ptr<c10d::Work> work_;
   std::vector<c10::intrusive_ptr<c10d::Work>> more_work_;  // see also_wait_for
