@@ -200,10 +200,12 @@ def main() -> None:
                     flush=True,
                 )
     # Drop what holds the process group (the optimizer, and at stage 3 the
-    # model, whose hooks keep the optimizer) before destroying the group, so
+    # model, whose hooks keep the optimizer, and every other reference to the
+    # model: the stage 3 keyword arguments) before destroying the group, so
     # that destroy_process_group() frees it and joins Gloo's threads now
-    # rather than during interpreter exit.
-    del scheduler, optimizer, model
+    # rather than at interpreter exit (NCCL: the optimizer must not outlive
+    # its communicator).
+    del scheduler, optimizer, model, stage3
     dist.destroy_process_group()
 
 

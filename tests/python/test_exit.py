@@ -142,6 +142,33 @@ def test_main_job_exits_cleanly_every_time() -> None:
     print(f"main job exit codes over {len(codes)} runs: {codes}")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train_gpt.py", "--stage", "2", "--print-every", "1"],
+        ["train_gpt.py", "--stage", "3", "--print-every", "1"],
+        ["train_gpt.py", "--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"],
+        ["train_gpt_engine.py"],  # examples/ds_config.json: stage 3
+    ],
+    ids=["stage2", "stage3", "stage3_cpu_offload", "engine_stage3"],
+)
+def test_examples_free_their_process_group_at_destroy(argv: list[str]) -> None:
+    # The examples drop every reference to the optimizer before
+    # destroy_process_group(). train_gpt.py kept the model in its stage 3
+    # keyword arguments, so the model's hooks kept the optimizer, and the
+    # optimizer its process group, past destroy_process_group(): on Gloo its
+    # worker threads still ran after destroy (both stage 3 cases failed here
+    # before the fix; the engine example passed unchanged). On an H200 that
+    # run (stage 3, CPU offload, NCCL) died with SIGSEGV at exit, the
+    # optimizer being destroyed after its group: a likely cause, unconfirmed
+    # on a GPU (benchmarks/results/gpu_check.md).
+    runs = _run_ranks(["example", *argv, "--steps", "2"])
+    for rank, (code, out) in enumerate(runs):
+        assert code == 0, f"rank {rank} exited with {code}:\n{out}"
+        threads = _last_json(out)["threads"]
+        assert "pt_gloo_runloop" not in threads, f"rank {rank}: Gloo threads left: {threads}"
+
+
 PG_TIMEOUT_SECONDS = 5.0
 REPORT_SECONDS = 3.0  # ZeroOptimizer's failure_report_seconds default
 

@@ -2,6 +2,8 @@
 
     python exit_scenarios.py threads STAGE   # prints the threads left after destroy
     python exit_scenarios.py late            # a collective still running at exit
+    python exit_scenarios.py example SCRIPT ARGS...  # examples/SCRIPT ARGS; prints
+        # the threads left right after its own destroy_process_group()
     python exit_scenarios.py fault kill|stall STAGE
         # the last rank is killed (SIGKILL) or stalls after step 2's forward;
         # the others print the error they got and exit with code 3
@@ -47,6 +49,29 @@ def train_briefly(stage: int) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
     return model, optimizer
 
 
+def run_example(script: str, argv: list[str]) -> None:
+    """Runs an example script as torchrun would, and reports the threads
+    left right after the script's own ``destroy_process_group()``: a Gloo
+    worker thread still running there means something the script kept alive
+    (the optimizer, through the model's stage 3 hooks) still holds the group."""
+    import runpy
+
+    example = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "train_gpt.py"
+    )
+    left: dict[str, list[str]] = {}
+    destroy = dist.destroy_process_group
+
+    def destroy_and_look(*args, **kwargs):
+        destroy(*args, **kwargs)
+        left["threads"] = thread_names()
+
+    dist.destroy_process_group = destroy_and_look
+    sys.argv = [example, *argv]
+    runpy.run_path(example, run_name="__main__")
+    print(json.dumps({"rank": int(os.environ["RANK"]), "threads": left["threads"]}), flush=True)
+
+
 def fault(kind: str, stage: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -83,6 +108,9 @@ def fault(kind: str, stage: int) -> None:
 
 
 def main() -> None:
+    if sys.argv[1] == "example":
+        run_example(sys.argv[2], sys.argv[3:])
+        return
     torch.set_num_threads(1)
     timeout = float(os.environ.get("PG_TIMEOUT_SECONDS", "60"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
