@@ -19,7 +19,7 @@ from zeroshard import _C
 from zeroshard.groups import data_parallel_groups
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
-from zeroshard.optimizer_state import OptimizerState
+from zeroshard.optimizer_state import _LIVE, OptimizerState
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
@@ -324,6 +324,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             [(unit.name, tp.locals(unit.params)) for unit in units],
             groups.replicate,
         )
+        _LIVE.add(self)
         store = _store_of(process_group)
         if store is not None:
             self._impl.set_failure_store(
@@ -510,6 +511,15 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             yield
         finally:
             self._impl.unpin_parameters(chosen, -1 if modifier_rank is None else modifier_rank)
+
+    def _release_at_exit(self) -> None:
+        """See [Note: release at exit] in optimizer_state.py."""
+        for handle in getattr(self, "_hook_handles", []):  # a failed constructor has none
+            handle.remove()
+        self._hook_handles = []
+        self._impl = None
+        self._process_group = None
+        self._replicate_group = None
 
     def remove_hooks(self) -> None:
         """Stage 3: detaches the module hooks (the model can no longer run)."""

@@ -19,19 +19,45 @@ _STATE_KEY = "zeroshard_shard"
 # Optimizers with an asynchronous save in flight: interpreter exit waits for
 # them (the C++ destructor would too, but exit may not run it).
 _IN_FLIGHT: weakref.WeakSet[OptimizerState] = weakref.WeakSet()
+# Every optimizer of this process: interpreter exit releases what a live one
+# still holds (see [Note: release at exit]).
+_LIVE: weakref.WeakSet[OptimizerState] = weakref.WeakSet()
 
 
 @atexit.register
-def _finish_checkpoints() -> None:
+def _at_exit() -> None:
+    """[Note: release at exit]
+    A script that keeps its optimizer, or at stage 3 any reference to the
+    model (whose hooks hold the C++ optimizer), past
+    ``destroy_process_group()`` keeps the group alive through the optimizer's
+    communicator: Gloo's worker threads then run into interpreter
+    finalization, where a worker freeing a Python-owned tensor aborts the
+    process, and on NCCL the optimizer is destroyed after its communicator,
+    during teardown. Here, before finalization and before C++ static
+    destructors run, asynchronous saves finish, then every live optimizer
+    drops its hooks, its C++ core and its groups, so that a group the script
+    destroyed is freed and its threads joined now.
+    """
     for optimizer in list(_IN_FLIGHT):
+        if optimizer._impl is None:
+            continue
         try:
             optimizer._impl.wait_for_checkpoint()
         except Exception as error:  # noqa: BLE001 - exit: report and wait for the others
             print(f"[zeroshard] {error}", file=sys.stderr)
+    for optimizer in list(_LIVE):
+        try:
+            optimizer._release_at_exit()
+        except Exception as error:  # noqa: BLE001 - exit: report and release the others
+            print(f"[zeroshard] releasing an optimizer at exit: {error}", file=sys.stderr)
 
 
 class OptimizerState:
     """Saving and loading of the C++ optimizer ``self._impl``."""
+
+    def _release_at_exit(self) -> None:
+        """See [Note: release at exit]; the optimizer is unusable afterwards."""
+        self._impl = None
 
     _impl: Any
     _tensor_parallel: Any

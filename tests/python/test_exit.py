@@ -169,6 +169,22 @@ def test_examples_free_their_process_group_at_destroy(argv: list[str]) -> None:
         assert "pt_gloo_runloop" not in threads, f"rank {rank}: Gloo threads left: {threads}"
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_script_that_keeps_its_optimizer_still_exits_without_gloo_threads(stage: int) -> None:
+    # [Note: release at exit]: the script keeps model and optimizer to the end,
+    # so destroy_process_group() cannot free the group (its Gloo threads are
+    # still there after it, the precondition of the exit abort); zeroshard's
+    # exit handler drops the optimizer's groups before finalization, and a
+    # handler that runs after it finds no Gloo thread left.
+    for rank, (code, out) in enumerate(_run_ranks(["leaky", str(stage)])):
+        assert code == 0, f"rank {rank} exited with {code}:\n{out}"
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        after_destroy = next(line["threads"] for line in lines if "threads" in line)
+        at_exit = next(line["threads_at_exit"] for line in lines if "threads_at_exit" in line)
+        assert "pt_gloo_runloop" in after_destroy, f"rank {rank}: {after_destroy}"
+        assert "pt_gloo_runloop" not in at_exit, f"rank {rank}: Gloo threads at exit: {at_exit}"
+
+
 PG_TIMEOUT_SECONDS = 5.0
 REPORT_SECONDS = 3.0  # ZeroOptimizer's failure_report_seconds default
 

@@ -2,6 +2,8 @@
 
     python exit_scenarios.py threads STAGE   # prints the threads left after destroy
     python exit_scenarios.py late            # a collective still running at exit
+    python exit_scenarios.py leaky STAGE     # keeps model and optimizer past destroy;
+        # prints the threads after destroy and at exit (after zeroshard's handler)
     python exit_scenarios.py example SCRIPT ARGS...  # examples/SCRIPT ARGS; prints
         # the threads left right after its own destroy_process_group()
     python exit_scenarios.py fault kill|stall STAGE
@@ -13,6 +15,7 @@ Run with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (env:// rendezvous).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -24,17 +27,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "python")
-)
-import zeroshard  # noqa: E402
-
 
 def thread_names() -> list[str]:
     return sorted(
         open(f"/proc/self/task/{task}/comm").read().strip()
         for task in os.listdir("/proc/self/task")
     )
+
+
+if sys.argv[1:2] == ["leaky"]:
+    # Registered before zeroshard is imported, so it runs after zeroshard's
+    # own exit handler (atexit runs handlers last-in, first-out).
+    atexit.register(lambda: print(json.dumps({"threads_at_exit": thread_names()}), flush=True))
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "python")
+)
+import zeroshard  # noqa: E402
+
+KEPT: list = []  # what a leaky script keeps to the end
 
 
 def train_briefly(stage: int) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
@@ -121,6 +132,10 @@ def main() -> None:
     if sys.argv[1] == "threads":
         model, optimizer = train_briefly(int(sys.argv[2]))
         del model, optimizer
+        dist.destroy_process_group()
+        print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
+    elif sys.argv[1] == "leaky":
+        KEPT.extend(train_briefly(int(sys.argv[2])))
         dist.destroy_process_group()
         print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
     elif sys.argv[1] == "late":
