@@ -54,7 +54,7 @@ def main() -> None:
         model.to(torch.bfloat16)
     elif precision.get("fp16", {}).get("enabled"):
         model.to(torch.float16)
-    engine, _, _, _ = zeroshard.initialize(
+    engine, _, _, scheduler = zeroshard.initialize(
         model=model, model_parameters=model.parameters(), config=args.config, unit_classes=(Block,)
     )
     micro = engine.train_micro_batch_size_per_gpu()
@@ -72,7 +72,9 @@ def main() -> None:
             engine.step()
         if rank == 0 and not os.environ.get("ZEROSHARD_NO_PROGRESS"):
             progress(step + 1, args.steps, loss.item(), engine.get_lr()[0])
-    del engine
+    # Everything that holds the engine's optimizer, and through it the process
+    # group: the scheduler, and at stage 3 the model, whose hooks hold it.
+    del engine, scheduler, model
     dist.destroy_process_group()
 
 

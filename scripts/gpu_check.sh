@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with one NVIDIA GPU and torch already installed
-# (no network needed): builds the extension against that torch, runs the CUDA
-# test subset (CUDA tensors through stages 1 and 2 at world size 1 over NCCL,
-# and two ranks sharing the GPU over Gloo), then a short optimizer benchmark
-# against torch.optim.AdamW (default, foreach, fused) on the GPU, and the host
-# (CPU offload) Adam kernel benchmark on that machine's CPU, and the main
-# job (examples/train_gpt.py) on one GPU over NCCL at stage 3 with CPU
-# offload and at stage 2 with NVMe offload. Headers that machine lacks
-# (nlohmann/json) may travel in .devdeps/include (scripts/gpu_check_deps.sh
-# fills it). Everything
-# goes to one folder: $OUT if set (the device tool's output folder), else
+# (no network needed): builds the extension against that torch (RelWithDebInfo),
+# runs the CUDA tests (stages 1-3 at world size 1 over NCCL, two ranks sharing
+# the GPU over Gloo, CPU and NVMe offload), reruns the NVMe case alone under
+# cuda-gdb if it fails, runs the main job (examples/train_gpt.py) on one GPU
+# over NCCL at stage 3 with CPU offload and at stage 2 with NVMe offload, then
+# a short optimizer benchmark against torch.optim.AdamW (default, foreach,
+# fused) on the GPU and the host (CPU offload) Adam kernel benchmark on that
+# machine's CPU. Headers that machine lacks (nlohmann/json) may travel in
+# .devdeps/include (scripts/gpu_check_deps.sh fills it). Everything goes to
+# one folder: $OUT if set (the device tool's output folder), else
 # gpu_check_results/. Budget: about 8 minutes on 16 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -69,13 +69,9 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
   TORCH_CHECK_VALUE(!replicate_group || replicate_group.get() != process_group.get(),
                     "replicate_group is the shard group itself; hybrid sharding needs the "
                     "group of ranks holding the same shard in the other shard groups");
-  comm_ = std::make_unique<Communicator>(std::move(process_group));
-  comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
-  comm_->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
+  comm_ = make_communicator(std::move(process_group));
   if (replicate_group && replicate_group->getSize() > 1) {
-    replica_comm_ = std::make_unique<Communicator>(std::move(replicate_group));
-    replica_comm_->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
-    replica_comm_->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
+    replica_comm_ = make_communicator(std::move(replicate_group));
   }
   const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
                           ? at::Tensor()
@@ -483,7 +479,6 @@ void ZeroOptimizer::gather_parameters() {
   }
   // Whatever the waits do, the next gather starts from nothing.
   std::vector<PendingCollective> pending = std::move(parameter_gathers_);
-  std::vector<at::Tensor> inputs = std::move(parameter_gather_inputs_);
   forget_parameter_gathers();
   for (auto& work : pending) {
     work.wait();
@@ -502,7 +497,6 @@ void ZeroOptimizer::gather_parameters() {
 // the process-group timeout, as with any failure between collectives).
 void ZeroOptimizer::forget_parameter_gathers() {
   parameter_gathers_.clear();
-  parameter_gather_inputs_.clear();
   std::fill(parameter_gathers_launched_.begin(), parameter_gathers_launched_.end(), 0);
 }
 
@@ -524,8 +518,15 @@ void ZeroOptimizer::launch_parameter_gathers(size_t g, size_t end) {
     }
     at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
     parameter_gathers_.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
-    parameter_gather_inputs_.push_back(std::move(input));
   }
+}
+
+std::unique_ptr<Communicator> ZeroOptimizer::make_communicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group) const {
+  auto comm = std::make_unique<Communicator>(std::move(group));
+  comm->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
+  comm->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
+  return comm;
 }
 
 }  // namespace zeroshard

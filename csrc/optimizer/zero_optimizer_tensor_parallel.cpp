@@ -54,8 +54,7 @@ void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> g
   }
   tensor_parallel_sharded_ = std::move(sharded);
   tensor_parallel_splits_ = std::move(splits);
-  tensor_parallel_comm_ =
-      group->getSize() > 1 ? std::make_unique<Communicator>(std::move(group)) : nullptr;
+  tensor_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
 }
 
 void ZeroOptimizer::gradient_arrived(size_t group, int64_t index) {

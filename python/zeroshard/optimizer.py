@@ -324,7 +324,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             [(unit.name, tp.locals(unit.params)) for unit in units],
             groups.replicate,
         )
-        _LIVE.add(self)
         store = _store_of(process_group)
         if store is not None:
             self._impl.set_failure_store(
@@ -352,6 +351,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         if self._param_names is not None:
             self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        _LIVE.add(self)  # with its _hook_handles: see _release_at_exit
         self._gradient_handles = tp.attach(self, self._impl, stage)
         self._skip_nonfinite_steps = bool(skip_nonfinite_steps)
         if expert_parallel_group is not None:
@@ -513,10 +513,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             self._impl.unpin_parameters(chosen, -1 if modifier_rank is None else modifier_rank)
 
     def _release_at_exit(self) -> None:
-        """See [Note: release at exit] in optimizer_state.py."""
-        for handle in getattr(self, "_hook_handles", []):  # a failed constructor has none
-            handle.remove()
-        self._hook_handles = []
+        """See [Note: release at exit] in optimizer_state.py; unusable afterwards."""
+        self.remove_hooks()
         self._impl = None
         self._process_group = None
         self._replicate_group = None

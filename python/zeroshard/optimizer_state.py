@@ -21,7 +21,7 @@ _STATE_KEY = "zeroshard_shard"
 _IN_FLIGHT: weakref.WeakSet[OptimizerState] = weakref.WeakSet()
 # Every optimizer of this process: interpreter exit releases what a live one
 # still holds (see [Note: release at exit]).
-_LIVE: weakref.WeakSet[OptimizerState] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # ZeroOptimizer's, with _release_at_exit
 
 
 @atexit.register
@@ -39,8 +39,6 @@ def _at_exit() -> None:
     destroyed is freed and its threads joined now.
     """
     for optimizer in list(_IN_FLIGHT):
-        if optimizer._impl is None:
-            continue
         try:
             optimizer._impl.wait_for_checkpoint()
         except Exception as error:  # noqa: BLE001 - exit: report and wait for the others
@@ -54,10 +52,6 @@ def _at_exit() -> None:
 
 class OptimizerState:
     """Saving and loading of the C++ optimizer ``self._impl``."""
-
-    def _release_at_exit(self) -> None:
-        """See [Note: release at exit]; the optimizer is unusable afterwards."""
-        self._impl = None
 
     _impl: Any
     _tensor_parallel: Any

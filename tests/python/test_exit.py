@@ -157,9 +157,10 @@ def test_examples_free_their_process_group_at_destroy(argv: list[str]) -> None:
     # destroy_process_group(). train_gpt.py kept the model in its stage 3
     # keyword arguments, so the model's hooks kept the optimizer, and the
     # optimizer its process group, past destroy_process_group(): on Gloo its
-    # worker threads still ran after destroy (both stage 3 cases failed here
-    # before the fix; the engine example passed unchanged). On an H200 that
-    # run (stage 3, CPU offload, NCCL) died with SIGSEGV at exit, the
+    # worker threads still ran after destroy. Both stage 3 cases failed here
+    # before the fix, and the engine example, which kept its model and the
+    # scheduler initialize() returned. On an H200 the stage 3 run with CPU
+    # offload (NCCL) died with SIGSEGV at exit, the
     # optimizer being destroyed after its group: a likely cause, unconfirmed
     # on a GPU (benchmarks/results/gpu_check.md).
     runs = _run_ranks(["example", *argv, "--steps", "2"])

@@ -21,8 +21,10 @@ from tiny_models import (
     VOCAB,
     assert_ranks_match_reference,
     make_model,
+    max_abs_diff,
     param_groups,
     snapshot,
+    train,
 )
 
 STEPS = 10
@@ -257,8 +259,6 @@ def test_bytes_per_step_equal_stage2_theory(trained) -> None:
 
 
 def _train_with_collectives(rank: int, world_size: int, stage: int, broadcasts: bool, a2a: bool):
-    from tiny_models import train
-
     model = make_model(seed=0)
     stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
     optimizer = zeroshard.ZeroOptimizer(
@@ -286,8 +286,6 @@ def test_gloo_collective_choices_give_the_same_parameters(stage: int) -> None:
     emulation) may round differently; every choice stays within the 1e-6
     bound of single-process torch.optim, at a world size that divides nothing.
     """
-    from tiny_models import max_abs_diff, train
-
     model = make_model(seed=0)
     optimizer = torch.optim.AdamW(param_groups(model, _LRS["adamw"]), weight_decay=0.1)
     train(model, optimizer, STEPS, 0, 1)

@@ -73,7 +73,9 @@ class PendingCollective {
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                     std::string tag, Communicator* owner)
-      : work_(std::move(work)), kind_(kind), bytes_(bytes), tag_(std::move(tag)), owner_(owner) {}
+      : kind_(kind), bytes_(bytes), tag_(std::move(tag)), owner_(owner) {
+    works_.push_back(std::move(work));
+  }
   // After the wait, output = sum over dim 0 of received ([world, n]): the
   // local half of a reduce-scatter done as an all-to-all.
   void sum_chunks_into(at::Tensor received, at::Tensor output) {
@@ -82,7 +84,7 @@ class PendingCollective {
   }
   // One collective made of several backend Works (an all-gather done as one
   // broadcast per rank): wait() waits for all of them.
-  void also_wait_for(c10::intrusive_ptr<c10d::Work> work) { more_work_.push_back(std::move(work)); }
+  void also_wait_for(c10::intrusive_ptr<c10d::Work> work) { works_.push_back(std::move(work)); }
   PendingCollective(PendingCollective&& other) noexcept = default;
   PendingCollective& operator=(PendingCollective&& other) noexcept;
   PendingCollective(const PendingCollective&) = delete;
@@ -90,14 +92,13 @@ class PendingCollective {
   // A collective dropped without wait() (an error path) is retired too.
   ~PendingCollective() { retire(); }
   void wait();
-  bool pending() const { return static_cast<bool>(work_); }
+  bool pending() const { return !works_.empty(); }
 
  private:
   void retire() noexcept;
-  static void wait_quietly(const c10::intrusive_ptr<c10d::Work>& work) noexcept;
 
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> more_work_;  // see also_wait_for
+  // One Work, or several (see also_wait_for); empty once waited or retired.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   CollectiveKind kind_ = CollectiveKind::kAllReduce;
   int64_t bytes_ = 0;
   std::string tag_;

@@ -434,6 +434,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // from every group's first bucket.
   void forget_parameter_gathers();
   void gather_parameters();
+  // A Communicator over `group` with this optimizer's Gloo choices, for every
+  // group it talks over (shard, replica, tensor-parallel).
+  std::unique_ptr<Communicator> make_communicator(
+      c10::intrusive_ptr<c10d::ProcessGroup> group) const;
 
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
@@ -451,10 +455,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // GroupShards::param_shard is undefined).
   std::unique_ptr<NvmeParameterSwapper> param_swapper_;
   std::vector<GroupShards> shards_;
-  // Stages 1-2: this step's parameter all-gathers in flight, their inputs,
-  // and per group how many buckets have been launched.
+  // Stages 1-2: this step's parameter all-gathers in flight (their input is
+  // this rank's slice of flat_param), and per group how many buckets have
+  // been launched.
   std::vector<PendingCollective> parameter_gathers_;
-  std::vector<at::Tensor> parameter_gather_inputs_;
   std::vector<size_t> parameter_gathers_launched_;
   // With offload the gradient shard holds the reduced sum and this factor
   // (1 / (world size x loss scale), times the clipping coefficient) is

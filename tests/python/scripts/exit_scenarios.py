@@ -68,7 +68,7 @@ def run_example(script: str, argv: list[str]) -> None:
     import runpy
 
     example = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "train_gpt.py"
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", script
     )
     left: dict[str, list[str]] = {}
     destroy = dist.destroy_process_group
