@@ -131,7 +131,15 @@ struct HostBufferPool::State {
       // differ a little from one to the next, and a small request must not
       // pin a large mapping.
       const auto found = free.lower_bound(bytes);
-      *reused = found != free.end() && found->first <= 2 * bytes;
+      const size_t peak = std::max(peak_out_bytes, out_bytes + bytes);
+      // A larger held mapping is taken all the same when a new one would push
+      // the pool past its peak: that mapping would be unmapped to make room,
+      // and the next request of its size would map it again. A step's
+      // requests recur in the same order, so that churn repeated every step
+      // (stage 2, 2 ranks, 5M-element buckets: ~70 MB of pages faulted in
+      // again a step per rank, [Note: recycled step buffers]).
+      *reused = found != free.end() &&
+                (found->first <= 2 * bytes || cached_bytes + out_bytes + bytes > peak);
       if (*reused) {
         const size_t held = found->first;
         void* address = found->second;
@@ -144,7 +152,6 @@ struct HostBufferPool::State {
       }
       // Held mappings go (largest first) while holding them and this new one
       // would exceed the peak.
-      const size_t peak = std::max(peak_out_bytes, out_bytes + bytes);
       while (cached_bytes + out_bytes + bytes > peak && !free.empty()) {
         const auto largest = std::prev(free.end());
         evicted.emplace_back(*largest);

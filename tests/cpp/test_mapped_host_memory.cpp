@@ -64,12 +64,27 @@ TEST(HostBufferPoolTest, AFreedBufferIsReused) {
   EXPECT_EQ(again.data_ptr(), first) << "the same mapping comes back";
   EXPECT_EQ(pool.cached_bytes(), 0);
   again = at::Tensor();
-  // A request of under half a held mapping does not pin it.
+  {
+    // Two out at once: the peak is 8 MiB.
+    at::Tensor a = pool.empty(kNumel, options);
+    at::Tensor b = pool.empty(kNumel, options);
+  }
+  // 6 MiB fits in neither held 4 MiB mapping; both go to keep the pool
+  // within its peak, and the 6 MiB one is held when freed.
+  pool.empty(kNumel * 3 / 2, options);
+  EXPECT_EQ(pool.cached_bytes(), kNumel * 4 * 3 / 2);
+  // A request of under half a held mapping does not pin it while a new
+  // mapping fits within the peak beside it (6 + 1 + 1 MiB)...
   at::Tensor small = pool.empty(kNumel / 4, options);
-  EXPECT_NE(small.data_ptr(), first);
-  // Holding the 4 MiB mapping beside the new 1 MiB one would exceed the
-  // 4 MiB peak, so it went.
+  at::Tensor small2 = pool.empty(kNumel / 4, options);
+  EXPECT_EQ(pool.cached_bytes(), kNumel * 4 * 3 / 2) << "the 6 MiB mapping is still held";
+  // ...but when a new one would need room made by unmapping the held one,
+  // the request takes it instead: the next 6 MiB request would only map it
+  // again (a step's mix of bucket and shard sizes did that every step).
+  at::Tensor small3 = pool.empty(kNumel / 4, options);
   EXPECT_EQ(pool.cached_bytes(), 0);
+  EXPECT_EQ(small3.numel(), kNumel / 4);
+  small3.fill_(1);
 }
 
 TEST(HostBufferPoolTest, HoldsNoMoreThanItsPeakAndClearGivesItBack) {

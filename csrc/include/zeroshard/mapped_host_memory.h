@@ -44,7 +44,10 @@ at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options);
 // whose buckets persist (counted once with perf stat, outside the repo).
 // A pool keeps the mappings its buffers free and hands the smallest that
 // fits (at most twice the request) to the next request: bucket sizes differ
-// a little, cut at parameter boundaries. What it
+// a little, cut at parameter boundaries. A larger one goes to the request
+// too when mapping a new one would need room made by unmapping: with the
+// 2x rule alone a step's mix of sizes (buckets and their shards) made the
+// pool unmap and map again ~70 MB a step per rank, every step. What it
 // holds plus what is out never exceeds its buffers' high-water mark, so it
 // holds at rest (between steps, while the next forward runs) up to what one
 // step had out at once, as CUDA's caching allocator would; clear() gives that
