@@ -93,8 +93,11 @@ def build_probe(tmp_path: Path, with_module: bool) -> Path:
     build = project / "build"
     env = {**os.environ, "CXX": str(wrapper)}
     env.pop("CXXFLAGS", None)
+    # Ninja where there is one (scripts/ensure_env.sh installs it; make may
+    # be missing on a fresh machine).
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     for command in (
-        [cmake, "-S", str(project), "-B", str(build)],
+        [cmake, "-S", str(project), "-B", str(build), *generator],
         [cmake, "--build", str(build)],
     ):
         done = subprocess.run(command, capture_output=True, text=True, env=env)
