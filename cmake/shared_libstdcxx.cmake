@@ -15,23 +15,29 @@ execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so
 if(IS_ABSOLUTE "${_zeroshard_libstdcxx_so}" AND EXISTS "${_zeroshard_libstdcxx_so}")
   return()  # the usual case: -lstdc++ finds the shared library
 endif()
-execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
-  OUTPUT_VARIABLE _zeroshard_libstdcxx_so6 OUTPUT_STRIP_TRAILING_WHITESPACE)
-if(NOT (IS_ABSOLUTE "${_zeroshard_libstdcxx_so6}" AND EXISTS "${_zeroshard_libstdcxx_so6}"))
-  find_library(_zeroshard_libstdcxx_so6 NAMES libstdc++.so.6)
+if(NOT ZEROSHARD_SHARED_LIBSTDCXX)  # -DZEROSHARD_SHARED_LIBSTDCXX=... wins
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
+    OUTPUT_VARIABLE _zeroshard_compiler_libstdcxx_so6 OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(IS_ABSOLUTE "${_zeroshard_compiler_libstdcxx_so6}"
+     AND EXISTS "${_zeroshard_compiler_libstdcxx_so6}")
+    set(ZEROSHARD_SHARED_LIBSTDCXX "${_zeroshard_compiler_libstdcxx_so6}")
+  else()
+    # The compiler answers with the bare name when it knows none.
+    find_library(ZEROSHARD_SHARED_LIBSTDCXX NAMES libstdc++.so.6)
+  endif()
 endif()
-if(NOT _zeroshard_libstdcxx_so6)
+if(NOT ZEROSHARD_SHARED_LIBSTDCXX)
   message(FATAL_ERROR
     "${CMAKE_CXX_COMPILER} has no shared libstdc++ (libstdc++.so) and no libstdc++.so.6 was "
     "found: linking libstdc++.a into zeroshard would put a second C++ runtime beside torch's "
-    "and crash at run time. Use a compiler with a shared libstdc++ (set CXX), or install "
-    "libstdc++6.")
+    "and crash at run time. Use a compiler with a shared libstdc++ (set CXX), install "
+    "libstdc++6, or pass -DZEROSHARD_SHARED_LIBSTDCXX=/path/to/libstdc++.so.6.")
 endif()
 include(CheckLinkerFlag)
 check_linker_flag(CXX -nostdlib++ ZEROSHARD_LINKER_HAS_NOSTDLIBXX)
 if(ZEROSHARD_LINKER_HAS_NOSTDLIBXX)
   add_link_options(-nostdlib++)
 endif()
-link_libraries(${_zeroshard_libstdcxx_so6})
+link_libraries(${ZEROSHARD_SHARED_LIBSTDCXX})
 message(STATUS "${CMAKE_CXX_COMPILER} has only a static libstdc++: linking "
-  "${_zeroshard_libstdcxx_so6} instead, so zeroshard shares torch's C++ runtime")
+  "${ZEROSHARD_SHARED_LIBSTDCXX} instead, so zeroshard shares torch's C++ runtime")

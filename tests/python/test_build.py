@@ -39,10 +39,11 @@ extern "C" const char* probe(long v) {
 """
 
 STATIC_ONLY_GXX = """#!/bin/sh
-# A g++ that has no libstdc++.so: it links libstdc++.a into what it links.
+# A g++ that has no libstdc++.so: it links libstdc++.a into what it links,
+# and knows no libstdc++.so.6 either (the module then searches for one).
 for a in "$@"; do
   case "$a" in
-    -print-file-name=libstdc++.so) echo libstdc++.so; exit 0;;
+    -print-file-name=libstdc++.so*) echo "${{a#-print-file-name=}}"; exit 0;;
     -c|-E|-S|-M|-MM) exec {gxx} "$@";;
   esac
 done
