@@ -345,15 +345,21 @@ PendingCollective Communicator::all_gather(at::Tensor& output, at::Tensor& input
     }
     return pending;
   }
-  // The backends' all-gather must not read from what it writes.
-  at::Tensor source = in_place ? input.clone() : input;
+  // NCCL all-gathers in place when the input is this rank's slice of the
+  // output (ncclAllGather's documented in-place case; FSDP2 gathers so), which
+  // saves a copy of every bucket's shard each step. Other backends' all-gather
+  // must not read from what it writes.
+  at::Tensor source = in_place && backend_name(output) != "nccl" ? input.clone() : input;
   return track(process_group_->_allgather_base(output, source), CollectiveKind::kAllGather,
                bytes_of(output), tag);
 }
 
+std::string Communicator::backend_name(const at::Tensor& tensor) const {
+  return process_group_->getBackend(tensor.device().type())->getBackendName();
+}
+
 bool Communicator::is_gloo_on_cpu(const at::Tensor& tensor) const {
-  return tensor.device().is_cpu() &&
-         process_group_->getBackend(tensor.device().type())->getBackendName() == "gloo";
+  return tensor.device().is_cpu() && backend_name(tensor) == "gloo";
 }
 
 void Communicator::broadcast(at::Tensor& tensor, int64_t root, const std::string& tag) {

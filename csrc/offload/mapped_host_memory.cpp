@@ -118,7 +118,8 @@ struct HostBufferPool::State {
   size_t out_bytes = 0;               // in buffers now in use
   size_t peak_out_bytes = 0;
   size_t cached_bytes = 0;
-  bool closed = false;  // the pool is gone: freed buffers are unmapped
+  int64_t mappings_made = 0;  // fresh mappings, each faulted in anew
+  bool closed = false;        // the pool is gone: freed buffers are unmapped
 
   // A mapping of at least `bytes` (page multiple), *mapped_size long;
   // *reused: it held data before.
@@ -166,6 +167,7 @@ struct HostBufferPool::State {
     std::lock_guard<std::mutex> lock(mutex);
     out_bytes += bytes;
     peak_out_bytes = std::max(peak_out_bytes, out_bytes);
+    mappings_made += 1;
     *mapped_size = bytes;
     return address;
   }
@@ -240,6 +242,11 @@ at::Tensor HostBufferPool::empty(int64_t numel, const at::TensorOptions& options
 int64_t HostBufferPool::cached_bytes() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return static_cast<int64_t>(state_->cached_bytes);
+}
+
+int64_t HostBufferPool::mappings_made() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->mappings_made;
 }
 
 int64_t HostBufferPool::clear() { return static_cast<int64_t>(state_->release(/*close=*/false)); }

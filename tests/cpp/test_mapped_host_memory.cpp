@@ -87,6 +87,32 @@ TEST(HostBufferPoolTest, AFreedBufferIsReused) {
   small3.fill_(1);
 }
 
+TEST(HostBufferPoolTest, ARecurringMixOfSizesStopsMappingAfterTheFirstStep) {
+  // A step as the gradient path makes it: two buckets out at once, then a
+  // shard-sized buffer (a quarter of a bucket). With the 2x rule alone the
+  // small request unmapped a held bucket mapping (to stay within the peak)
+  // and the next step's second bucket mapped it again: 2 fresh mappings a
+  // step, for ever.
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  constexpr int64_t kBucket = int64_t{1} << 20;  // 4 MiB
+  HostBufferPool pool;
+  auto step = [&] {
+    {
+      at::Tensor first = pool.empty(kBucket, options).fill_(1);
+      at::Tensor second = pool.empty(kBucket, options).fill_(1);
+    }
+    pool.empty(kBucket / 4, options).fill_(1);
+  };
+  step();
+  const int64_t after_first_step = pool.mappings_made();
+  EXPECT_LE(after_first_step, 3);
+  for (int i = 0; i < 5; ++i) {
+    step();
+  }
+  EXPECT_EQ(pool.mappings_made(), after_first_step) << "no fresh mapping after the first step";
+  EXPECT_LE(pool.cached_bytes(), 2 * kBucket * 4) << "held within the peak";
+}
+
 TEST(HostBufferPoolTest, HoldsNoMoreThanItsPeakAndClearGivesItBack) {
   const auto options = at::TensorOptions().dtype(at::kFloat);
   constexpr int64_t kNumel = int64_t{1} << 20;  // 4 MiB

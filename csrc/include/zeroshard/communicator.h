@@ -202,6 +202,7 @@ class Communicator {
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                           const std::string& tag);
   void check_order(CollectiveKind kind, const at::Tensor& tensor, const std::string& tag);
+  std::string backend_name(const at::Tensor& tensor) const;  // of the backend for its device
   bool is_gloo_on_cpu(const at::Tensor& tensor) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;

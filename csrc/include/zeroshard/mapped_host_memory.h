@@ -66,6 +66,8 @@ class HostBufferPool {
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Bytes of freed mappings held for reuse.
   int64_t cached_bytes() const;
+  // Fresh mappings made so far (reuses not counted): each is faulted in anew.
+  int64_t mappings_made() const;
   // Unmaps what it holds and returns its bytes
   // (ZeroOptimizer::release_cached_buffers).
   int64_t clear();
