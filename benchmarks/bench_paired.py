@@ -23,6 +23,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -76,6 +77,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, dict[str, list[float]]] = {
         name: {"step": [], "forward": [], "backward": [], "optimizer": []} for name in variants
     }
+    # Minor page faults of this process per phase: memory mapped or touched
+    # afresh (a buffer unmapped and mapped again faults its pages in again).
+    faults: dict[str, dict[str, list[int]]] = {
+        name: {"forward": [], "backward": [], "optimizer": []} for name in variants
+    }
+
+    def minor_faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
     per_rank = args.global_batch // world
     names = list(variants)
     for step in range(args.warmup + args.steps):
@@ -87,16 +97,20 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             variant = variants[name]
             dist.barrier()
             start = time.perf_counter()
+            faults_at_start = minor_faults()
             variant.zero_grad()
             logits = variant.model(seq[:, :-1])
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, args.vocab), seq[:, 1:].reshape(-1)
             )
             forward = time.perf_counter()
+            faults_at_forward = minor_faults()
             variant.backward(loss)
             backward = time.perf_counter()
+            faults_at_backward = minor_faults()
             variant.step()
             optimizer = time.perf_counter()
+            faults_at_optimizer = minor_faults()
             dist.barrier()
             end = time.perf_counter()
             if step >= args.warmup:
@@ -105,9 +119,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 times["forward"].append(forward - start)
                 times["backward"].append(backward - forward)
                 times["optimizer"].append(optimizer - backward)
+                counts = faults[name]
+                counts["forward"].append(faults_at_forward - faults_at_start)
+                counts["backward"].append(faults_at_backward - faults_at_forward)
+                counts["optimizer"].append(faults_at_optimizer - faults_at_backward)
     dist.barrier()
     del variants  # before the process group goes
-    return phases
+    return {"phases": phases, "faults": faults}
 
 
 def main() -> None:
@@ -120,7 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     args.variants = args.variants.split(",")
     results = run_ranks(args.world_size, _rank, args, timeout=7200)
-    rank0 = results[0]
+    rank0 = results[0]["phases"]
+    faults0 = results[0]["faults"]
     lines = [
         "# Step time, paired step by step (zeroshard and its peers in one run)",
         "",
@@ -133,11 +152,12 @@ def main() -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up",
         "- every variant trains one step per round in the same processes, in a rotating order; "
         "ratio = this variant's step time / its baseline's in the same round (median and "
-        "25th-75th percentile over rounds); phases are rank 0's medians",
+        "25th-75th percentile over rounds); phases are rank 0's medians; page faults are rank "
+        "0's minor faults per phase (forward / backward / optimizer step), median over rounds",
         "",
         "| variant | baseline | ratio (median) | ratio p25-p75 | step (ms) | forward (ms) | "
-        "backward (ms) | optimizer step (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "backward (ms) | optimizer step (ms) | page faults (fwd / bwd / step) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.variants:
         baseline = baseline_of(name)
@@ -149,7 +169,9 @@ def main() -> None:
             f"| {name} | {baseline} | {statistics.median(ratios):.3f} | "
             f"{quantile(ratios, 0.25):.3f}-{quantile(ratios, 0.75):.3f} | "
             f"{medians['step']:.1f} | {medians['forward']:.1f} | {medians['backward']:.1f} | "
-            f"{medians['optimizer']:.1f} |"
+            f"{medians['optimizer']:.1f} | "
+            + " / ".join(f"{statistics.median(faults0[name][k]):.0f}" for k in faults0[name])
+            + " |"
         )
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
