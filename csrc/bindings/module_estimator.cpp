@@ -43,6 +43,7 @@ py::dict estimate_dict(const MemoryEstimate& e) {
   out["optimizer_bytes"] = e.optimizer_bytes;
   out["working_bytes"] = e.working_bytes;
   out["staging_bytes"] = e.staging_bytes;
+  out["step_bytes"] = e.step_bytes;
   out["activation_bytes"] = e.activation_bytes;
   out["device_bytes"] = e.device_bytes;
   out["cpu_bytes_per_node"] = e.cpu_bytes_per_node;

@@ -1,5 +1,7 @@
 #include "zeroshard/memory_estimator.h"
 
+#include "zeroshard/widened_gradient_chunk.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -180,6 +182,22 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     estimate.staging_bytes =
         reduced * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
   }
+  if (stage >= 1) {
+    // ZeroOptimizer's update (zero_optimizer_update.cpp) and the offloaded
+    // step's device sub-groups (offloaded_optimizer_state.cpp).
+    const double shard = psi / n;
+    const bool sixteen_bit_grads = reduced < 4;
+    if (options.offload_optimizer() == OffloadDevice::kNone) {
+      estimate.step_bytes =
+          sixteen_bit_grads ? 4 * std::min(static_cast<double>(kWidenedGradientChunk), shard) : 0;
+    } else {
+      const double sub_groups = std::ceil(shard / options.sub_group_size());
+      const double on_device = std::floor((1 - options.offload_ratio()) * sub_groups + 1e-9);
+      const double device_elements = std::min(shard, on_device * options.sub_group_size());
+      estimate.step_bytes =
+          (sixteen_bit_grads ? 8 : 4) * std::min(device_elements, options.sub_group_size());
+    }
+  }
   auto offload = [&](OffloadDevice device, double& bytes) {
     const double per_node = bytes * static_cast<double>(options.ranks_per_node());
     if (device == OffloadDevice::kCPU) {
@@ -208,9 +226,19 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double host_groups = sub_groups - on_device;
     const double largest_host = host_groups > 1 ? sub : host_elements;
     const double per_element = 4 + states;  // fp32 master + moments
-    const double staging = std::min(2.0, host_groups) * largest_host * (4 + per.param);
+    // With every sub-group offloaded the gradient shard lives on the host in
+    // fp32 and the step reads it in place (StatePlacement::
+    // gradient_shard_on_host); otherwise host sub-groups stage their
+    // gradients in two fp32 buffers.
+    const bool grads_on_host = on_device == 0 && host_groups > 0;
+    const double staging =
+        std::min(2.0, host_groups) * largest_host * ((grads_on_host ? 0 : 4) + per.param);
     estimate.optimizer_bytes = per_element * device_elements;
     const double ranks = static_cast<double>(options.ranks_per_node());
+    if (grads_on_host && stage >= 2) {  // stage 1's shard exists only during step()
+      estimate.grad_bytes = 0;
+      estimate.cpu_bytes_per_node += 4 * shard * ranks;
+    }
     if (options.offload_optimizer() == OffloadDevice::kNVMe) {
       // NvmeStateSwapper: the state on disk, buffer_count sub-groups of it in
       // host buffers (slots rounded up to 4 KiB there and on disk: ignored).
@@ -246,7 +274,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   estimate.activation_bytes = options.activation_bytes();
   estimate.device_bytes = estimate.activation_bytes + estimate.param_bytes + estimate.grad_bytes +
                           estimate.optimizer_bytes + estimate.working_bytes +
-                          estimate.staging_bytes;
+                          estimate.staging_bytes + estimate.step_bytes;
   return estimate;
 }
 

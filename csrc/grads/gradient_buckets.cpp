@@ -28,6 +28,7 @@ GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& co
                                  bool launch_eagerly, BucketComplete on_complete)
     : layout_(layout),
       comm_(comm),
+      host_receiver_(max_in_flight),
       grad_options_(std::move(grad_options)),
       grad_shard_of_(std::move(grad_shard_of)),
       on_complete_(std::move(on_complete)),
@@ -234,7 +235,8 @@ void GradientBuckets::complete_oldest() {
   InFlight& entry = in_flight_.front();
   entry.work.wait();
   const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
-  grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel).add_(entry.output);
+  host_receiver_.receive(
+      grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel), entry.output);
   release_staging(entry.staging);
   in_flight_.pop_front();
 }
@@ -273,6 +275,7 @@ void GradientBuckets::wait_all() {
   while (!in_flight_.empty()) {
     complete_oldest();
   }
+  host_receiver_.drain();
 }
 
 void GradientBuckets::reset() {

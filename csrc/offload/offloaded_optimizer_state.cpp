@@ -85,7 +85,9 @@ OffloadedOptimizerState::OffloadedOptimizerState(const StatePlacement& placement
   const int64_t numel = placement_.largest_host_sub_group();
   for (int64_t s = 0; s < slots; ++s) {
     staging_.push_back(
-        Staging{at::empty({numel}, placement_.options(StateTier::kHost, at::kFloat)),
+        Staging{placement_.stages_gradients()
+                    ? at::empty({numel}, placement_.options(StateTier::kHost, at::kFloat))
+                    : at::Tensor(),
                 at::empty({numel}, placement_.options(StateTier::kHost, param_dtypes_.at(0)))});
   }
 }
@@ -259,7 +261,7 @@ OffloadedOptimizerState::Staging& OffloadedOptimizerState::staging(size_t slot,
   Staging& staging = staging_.at(slot);
   if (staging.params.scalar_type() != param_dtype) {  // groups of another dtype
     staging.params =
-        at::empty({staging.grad.numel()}, placement_.options(StateTier::kHost, param_dtype));
+        at::empty({staging.params.numel()}, placement_.options(StateTier::kHost, param_dtype));
   }
   return staging;
 }
@@ -300,7 +302,10 @@ int64_t OffloadedOptimizerState::bytes(StateTier tier) const {
 // for the return copy that last used the slot's parameter buffer (sub-group
 // i - 2), updates master and moments in one pass, writes the new parameter
 // values into the slot, and starts their copy back. With a CPU device, or
-// pageable memory, every copy is synchronous and the fences do nothing.
+// pageable memory, every copy is synchronous and the fences do nothing. A
+// group whose gradient shard is on the host (every sub-group offloaded) has
+// no gradient copies: the kernel reads the shard in place (see
+// [Note: gradients to the host] in the header).
 void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOptions& options,
                                    const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
                                    double grad_scale, bool fused,
@@ -334,7 +339,16 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
   const size_t slots = staging_.size();
   std::array<CopyFence, 2> grad_ready;
   std::array<CopyFence, 2> params_returned;
+  // [Note: gradients to the host]: the kernel reads a host shard in place.
+  const bool shard_on_host = placement_.gradient_shard_on_host(g);
+  TORCH_INTERNAL_ASSERT(
+      !shard_on_host || (grad_shard.is_cpu() && grad_shard.scalar_type() == at::kFloat &&
+                         grad_shard.is_contiguous()),
+      "a host gradient shard must be a contiguous fp32 CPU tensor");
   auto fetch_gradient = [&](size_t i) {
+    if (shard_on_host) {
+      return;
+    }
     const SubGroup& where = sub_groups[host[i]].where;
     Staging& slot = staging(i % slots, param_dtypes_[g]);
     slot.grad.narrow(0, 0, where.numel)
@@ -373,8 +387,10 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
     grad_ready[i % slots].wait();
     params_returned[i % slots].wait();
     const Staging& slot = staging(i % slots, param_dtypes_[g]);
+    const float* grad = shard_on_host ? grad_shard.data_ptr<float>() + state.where.offset
+                                      : slot.grad.data_ptr<float>();
     for (const UpdateRun& run : per_sub_group[host[i]]) {
-      run_host_kernel(state, options, run, slot, static_cast<float>(grad_scale));
+      run_host_kernel(state, options, run, slot, grad, static_cast<float>(grad_scale));
     }
     for (const UpdateRun& run : per_sub_group[host[i]]) {
       write_parameters(g, run.offset,
@@ -442,7 +458,7 @@ OffloadedOptimizerState::SwappedIn::~SwappedIn() {
 void OffloadedOptimizerState::run_host_kernel(SubGroupState& state,
                                               const torch::optim::OptimizerOptions& options,
                                               const UpdateRun& run, const Staging& staging,
-                                              float grad_scale) const {
+                                              const float* grad, float grad_scale) const {
   const int64_t local = run.offset - state.where.offset;
   auto& t = state.tensors;
   void* param_out =
@@ -450,7 +466,7 @@ void OffloadedOptimizerState::run_host_kernel(SubGroupState& state,
   if (kind_ == InnerOptimizerKind::kSGD) {
     HostSgdArgs args = host_sgd_args(options);
     args.param = at_offset<float>(t[index_of(OptimizerStateName::kMaster)], local);
-    args.grad = at_offset<float>(staging.grad, local);
+    args.grad = grad + local;
     args.momentum_buffer =
         at_offset<float>(t[index_of(OptimizerStateName::kMomentumBuffer)], local);
     args.param_out = param_out;
@@ -463,7 +479,7 @@ void OffloadedOptimizerState::run_host_kernel(SubGroupState& state,
   }
   HostAdamArgs args = host_adam_args(kind_, options);
   args.param = at_offset<float>(t[index_of(OptimizerStateName::kMaster)], local);
-  args.grad = at_offset<float>(staging.grad, local);
+  args.grad = grad + local;
   args.exp_avg = at_offset<float>(t[index_of(OptimizerStateName::kExpAvg)], local);
   args.exp_avg_sq = at_offset<float>(t[index_of(OptimizerStateName::kExpAvgSq)], local);
   args.max_exp_avg_sq = at_offset<float>(t[index_of(OptimizerStateName::kMaxExpAvgSq)], local);

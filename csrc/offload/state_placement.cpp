@@ -55,6 +55,25 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
   }
 }
 
+bool StatePlacement::gradient_shard_on_host(size_t group) const {
+  const std::vector<SubGroup>& subs = sub_groups_.at(group);
+  return offloads_optimizer() && !subs.empty() &&
+         std::all_of(subs.begin(), subs.end(),
+                     [](const SubGroup& s) { return s.tier != StateTier::kDevice; });
+}
+
+bool StatePlacement::stages_gradients() const {
+  for (size_t g = 0; g < sub_groups_.size(); ++g) {
+    const std::vector<SubGroup>& subs = sub_groups_[g];
+    const bool offloaded = std::any_of(
+        subs.begin(), subs.end(), [](const SubGroup& s) { return s.tier != StateTier::kDevice; });
+    if (offloaded && !gradient_shard_on_host(g)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool StatePlacement::pinned(StateTier tier, bool for_parameters) const {
   const OffloadOptions& offload = for_parameters ? offload_param_ : offload_optimizer_;
   return tier != StateTier::kDevice && offload.pin_memory() && device_.is_cuda();

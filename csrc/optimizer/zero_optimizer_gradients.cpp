@@ -94,7 +94,7 @@ void ZeroOptimizer::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
       shards_[g].grad_shard =
-          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_shard_options);
     }
   }
 }
@@ -172,7 +172,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       shards_[g].grad_shard =
-          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_options);
+          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_shard_options);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -308,7 +308,7 @@ int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = buckets_->live_staging_bytes();
   for (size_t g = 0; g < shards_.size(); ++g) {
     const at::Tensor& shard = shards_[g].grad_shard;
-    if (shard.defined()) {
+    if (shard.defined() && !placement_->gradient_shard_on_host(g)) {
       bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
     }
     for (const auto& param : param_groups_[g].params()) {

@@ -163,7 +163,9 @@ def estimate(
     ``host_device``: Gloo on a CPU device) and, at stage 3, the units
     gathered at once (``working_bytes``: the largest and those that fit in
     ``prefetch_bucket_size`` and keep the gathered total within
-    ``max_live_parameters``). The bucket arguments are ``ZeroOptimizer``'s
+    ``max_live_parameters``) and the step's fp32 transient (``step_bytes``:
+    a 16-bit gradient widened a chunk of 4M elements at a time, or a device
+    sub-group's with partial offload). The bucket arguments are ``ZeroOptimizer``'s
     (``max_live_parameters`` is its ``stage3_max_live_parameters``). With
     ``reduce_in_fp32`` (mixed16 only) the buckets and the gradient shard are
     fp32.

@@ -33,7 +33,10 @@ class OptimizerMeasurements:
         return int(self._impl.device_model_state_bytes())
 
     def host_model_state_bytes(self) -> int:
-        """Bytes of model state offloaded to host memory (state, staging, parameter shards)."""
+        """Bytes of model state offloaded to host memory.
+
+        Optimizer state and its staging, parameter shards (``offload_param``)
+        and the gradient shard when every sub-group is offloaded."""
         return int(self._impl.host_model_state_bytes())
 
     def nvme_stats(self) -> dict[str, Any] | None:
@@ -55,7 +58,10 @@ class OptimizerMeasurements:
         return int(self._impl.optimizer_state_bytes())
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradients held now: shard, live staging buffers, any ``.grad``."""
+        """Bytes of gradients held now on the training device.
+
+        The gradient shard, live staging buffers and any ``.grad``; a gradient
+        shard offloaded to host memory counts in ``host_model_state_bytes``."""
         return int(self._impl.gradient_bytes())
 
     def peak_staging_bytes(self) -> int:

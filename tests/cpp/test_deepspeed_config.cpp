@@ -675,15 +675,23 @@ TEST(DeepSpeedConfigTest, AutoStageAndOffloadAreChosenFromWhatIsFree) {
   EXPECT_ERROR_HAS(third, "Rejected first: ZeRO stage 1 (needs 9.06 GB");
   EXPECT_EQ(config.zero_stage, 3);
 
-  // Below stage 3 with the optimizer state offloaded (1.37 GB): nothing fits, and the error
+  // Stage 3 with the optimizer state offloaded needs 0.87 GB: the parameter shard (500 MB),
+  // gathered units and buckets; the gradient shard goes to the host with the state. At 1 GB
+  // it is chosen, with the host's memory (CPU before NVMe); below it nothing fits, and the error
   // names the shortfall of the most offloaded candidate. The config fixes offload_param.
   config = parse();
   memory.device_bytes = 1e9;
+  EXPECT_ERROR_HAS(resolve_auto_configuration(config, 1e9, 1e7, 8, memory),
+                   "chose ZeRO stage 3 + optimizer offload to cpu: it needs 870.0 MB of 1.00 GB "
+                   "device memory per rank");
+  EXPECT_EQ(config.zero.offload_optimizer().device(), OffloadDevice::kCPU);
+  config = parse();
+  memory.device_bytes = 0.8e9;
   EXPECT_ERROR_HAS(ErrorOf([&] { resolve_auto_configuration(config, 1e9, 1e7, 8, memory); }),
-                   "nothing fits: even ZeRO stage 3 + optimizer offload to nvme needs 1.37 GB of "
-                   "1.00 GB device memory per rank");
+                   "nothing fits: even ZeRO stage 3 + optimizer offload to nvme needs 870.0 MB of "
+                   "800.0 MB device memory per rank");
   EXPECT_ERROR_HAS(ErrorOf([&] { resolve_auto_configuration(config, 1e9, 1e7, 8, memory); }),
-                   "short of device memory by 370.0 MB per rank");
+                   "short of device memory by 70.0 MB per rank");
 
   // Without an nvme_path NVMe is not a candidate.
   config = parse_deepspeed_config(

@@ -1,5 +1,6 @@
 #include "zeroshard/memory_estimator.h"
 #include "zeroshard/traffic_estimator.h"
+#include "zeroshard/widened_gradient_chunk.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -103,8 +104,8 @@ TEST(MemoryEstimatorTest, CountsTheGradientBucketsAndTheGatheredUnits) {
   const MemoryEstimate three = estimate_memory(3, units);
   EXPECT_DOUBLE_EQ(three.working_bytes, 2 * 3 * 2e7);
   EXPECT_DOUBLE_EQ(three.staging_bytes, 2 * (3 * 2e7 + 2 * 2e7 / 4));
-  EXPECT_DOUBLE_EQ(three.device_bytes,
-                   ModelStates(three) + three.working_bytes + three.staging_bytes);
+  EXPECT_DOUBLE_EQ(three.device_bytes, ModelStates(three) + three.working_bytes +
+                                           three.staging_bytes + three.step_bytes);
   // More buckets in flight, a smaller window: both follow.
   const MemoryEstimate tuned =
       estimate_memory(3, EstimateOptions(units).max_buckets_in_flight(4).prefetch_bucket_size(0));
@@ -156,15 +157,21 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
           OffloadDevice::kCPU);
   auto e = estimate_memory(2, options);
   EXPECT_EQ(e.optimizer_bytes, 0);
-  // Per rank: 12 bytes x 1e9 / 8 of state, plus one staging slot of the
-  // whole shard (a single sub-group) in fp32 and bf16: 6 bytes x 1e9 / 8.
+  // Every sub-group offloaded: the gradient shard is on the host, in fp32.
+  EXPECT_EQ(e.grad_bytes, 0);
+  // Per rank: 12 bytes x 1e9 / 8 of state, the fp32 gradient shard (4 bytes)
+  // and one staging slot of the whole shard (a single sub-group) for the
+  // bf16 parameter copy (2 bytes).
   EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9 + 6e9);
-  // Ten sub-groups of 1.25e7: two staging slots; ratio 0.5 keeps five on the device.
+  // Ten sub-groups of 1.25e7: two staging slots (fp32 gradient and bf16
+  // copy); ratio 0.5 keeps five on the device, and the gradient shard there.
   auto partial =
       estimate_memory(2, EstimateOptions(options).sub_group_size(1.25e7).offload_ratio(0.5));
+  EXPECT_DOUBLE_EQ(partial.grad_bytes, 2 * 1.25e8);
   EXPECT_DOUBLE_EQ(partial.optimizer_bytes, 12 * 1.25e8 / 2);
   EXPECT_DOUBLE_EQ(partial.cpu_bytes_per_node, (12 * 1.25e8 / 2 + 2 * 1.25e7 * 6) * 8);
-  // fp32 parameters: the offloaded master is a copy of its own (12 bytes, not 8).
+  // fp32 parameters: the offloaded master is a copy of its own (12 bytes, not
+  // 8); the fp32 gradient shard and the fp32 parameter copy, 4 bytes each.
   auto fp32 = estimate_memory(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32));
   EXPECT_DOUBLE_EQ(fp32.cpu_bytes_per_node, (12 * 1.25e8 + 8 * 1.25e8) * 8);
   const auto nvme_options = EstimateOptions(options)
@@ -175,10 +182,10 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
       estimate_memory(3, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone));
   auto nvme = estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
-  // The grad shard, the gathered units (the largest and the five that fit in
-  // the prefetch window) and the gradient buckets (3 of a unit each, two
-  // reduced shards).
-  EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 1e9 / 8 + 2 * 6e7 + 2 * (3e7 + 2 * 1e7 / 8));
+  // The gathered units (the largest and the five that fit in the prefetch
+  // window) and the gradient buckets (3 of a unit each, two reduced shards);
+  // the gradient shard is on the host.
+  EXPECT_DOUBLE_EQ(nvme.device_bytes, 2 * 6e7 + 2 * (3e7 + 2 * 1e7 / 8));
   // In host memory besides the optimizer tier's buffers: five buckets read
   // ahead, each the largest unit's shard (1e7 / 8 bf16 elements), per rank.
   EXPECT_DOUBLE_EQ(nvme.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 5 * 1.25e6 * 2 * 8);
@@ -189,6 +196,34 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   EXPECT_DOUBLE_EQ(in_cpu.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 2e9);
   EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCPU)),
                c10::ValueError);
+}
+
+TEST(MemoryEstimatorTest, TheStepWidensOneChunkOfA16BitGradientAtATime) {
+  // 1e9 mixed-precision parameters over 8 ranks: a 1.25e8-element shard,
+  // widened to fp32 4M elements at a time (16 MiB), whatever the stage.
+  const auto options = EstimateOptions().num_params(1e9).world_size(8);
+  for (int64_t stage : {1, 2, 3}) {
+    EXPECT_DOUBLE_EQ(estimate_memory(stage, options).step_bytes, 4.0 * kWidenedGradientChunk);
+  }
+  EXPECT_EQ(estimate_memory(0, options).step_bytes, 0);
+  // A shard smaller than a chunk is widened whole.
+  EXPECT_DOUBLE_EQ(estimate_memory(2, EstimateOptions(options).num_params(1e6)).step_bytes,
+                   4 * 1e6 / 8);
+  // fp32 gradients (fp32 training, or reduced in fp32) are updated as they are.
+  EXPECT_EQ(
+      estimate_memory(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32)).step_bytes, 0);
+  EXPECT_EQ(estimate_memory(2, EstimateOptions(options).reduce_in_fp32(true)).step_bytes, 0);
+  // Every sub-group offloaded: the host kernel reads the gradient in place.
+  const auto cpu = EstimateOptions(options).offload_optimizer(OffloadDevice::kCPU);
+  EXPECT_EQ(estimate_memory(2, cpu).step_bytes, 0);
+  // Half of ten 1.25e7-element sub-groups on the device: one sub-group's
+  // gradient widened (4 bytes) and scaled (4 more); fp32 gradients are only
+  // scaled.
+  const auto partial = EstimateOptions(cpu).sub_group_size(1.25e7).offload_ratio(0.5);
+  EXPECT_DOUBLE_EQ(estimate_memory(2, partial).step_bytes, 8 * 1.25e7);
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(2, EstimateOptions(partial).precision(PrecisionRecipe::kFp32)).step_bytes,
+      4 * 1.25e7);
 }
 
 TEST(MemoryEstimatorTest, ReproducesDeepSpeedFormulas) {

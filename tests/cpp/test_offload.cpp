@@ -42,11 +42,23 @@ TEST(StatePlacement, CutsShardsIntoSubGroupsAndKeepsTheFirstOnesOnTheDeviceByRat
   // Pinned memory only helps asynchronous copies to an accelerator.
   EXPECT_FALSE(placement.pinned(StateTier::kHost, false));
   EXPECT_EQ(placement.parameter_tier(), StateTier::kDevice);
+  // Group 0 updates partly on the device, so its gradient shard stays there
+  // and its host sub-group is fed through staging; group 1 is all on the
+  // host, so its shard lives there (in fp32) and the kernel reads it in place.
+  EXPECT_FALSE(placement.gradient_shard_on_host(0));
+  EXPECT_TRUE(placement.gradient_shard_on_host(1));
+  EXPECT_TRUE(placement.stages_gradients());
+  StatePlacement all({25, 7}, 10, Cpu(), OffloadOptions(), c10::kCPU);
+  EXPECT_TRUE(all.gradient_shard_on_host(0));
+  EXPECT_TRUE(all.gradient_shard_on_host(1));
+  EXPECT_FALSE(all.stages_gradients());
 
   StatePlacement none({25}, 10, OffloadOptions(), OffloadOptions(), c10::kCPU);
   for (const auto& sub_group : none.sub_groups(0)) {
     EXPECT_EQ(sub_group.tier, StateTier::kDevice);
   }
+  EXPECT_FALSE(none.gradient_shard_on_host(0));
+  EXPECT_FALSE(none.stages_gradients());
   EXPECT_THROW(StatePlacement({25}, 0, Cpu(), OffloadOptions(), c10::kCPU), c10::Error);
 }
 

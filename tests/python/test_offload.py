@@ -237,7 +237,9 @@ def test_device_and_host_bytes_equal_the_estimate(world_size: int) -> None:
                 ("device", estimate["model_state_bytes"]),
                 ("host", estimate["cpu_bytes_per_node"]),
             ):
-                error = abs(row[where] - estimated) / estimated
+                # Stage 3 with both offloads keeps nothing on the device
+                # between steps: the gradient shard went to the host too.
+                error = abs(row[where] - estimated) / max(estimated, 1)
                 print(
                     f"W={world_size} stage {row['stage']} {row['precision']} {kwargs}: {where} "
                     f"measured {row[where]} B, estimated {estimated:.0f} B, {100 * error:.2f}%"

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "zeroshard/communicator.h"
+#include "zeroshard/host_shard_receiver.h"
 #include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/partition_layout.h"
 
@@ -36,6 +37,8 @@ class GradientBuckets {
   // grad_options[g]: dtype and device of group g's gradients.
   // grad_shard_of(g): this rank's 1D gradient shard of group g, which reduced
   // bucket slices are added into; the owner may reallocate it between rounds.
+  // It may live in host memory, in another dtype (CPU offload): slices then
+  // travel there as they complete (HostShardReceiver).
   // max_in_flight bounds the buckets whose collectives are outstanding (and so
   // the staging memory).
   // With launch_eagerly false, buckets launch only at flush() (no overlap
@@ -72,7 +75,8 @@ class GradientBuckets {
   int64_t cached_bytes() const { return buffer_pool_.cached_bytes(); }
   int64_t release_cached_buffers() { return buffer_pool_.clear(); }
 
-  // Waits for every launched bucket and adds its result into the shards.
+  // Waits for every launched bucket and adds its result into the shards
+  // (host shards included).
   void wait_all();
 
   // Starts a new accumulation window: forgets which parameters reported.
@@ -126,7 +130,8 @@ class GradientBuckets {
 
   const PartitionLayout& layout_;
   Communicator& comm_;
-  HostBufferPool buffer_pool_;  // staging and outputs (see [Note: recycled step buffers])
+  HostBufferPool buffer_pool_;       // staging and outputs (see [Note: recycled step buffers])
+  HostShardReceiver host_receiver_;  // slices bound for host gradient shards
   std::vector<at::TensorOptions> grad_options_;
   GradShardOf grad_shard_of_;
   BucketComplete on_complete_;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "zeroshard/host_optimizer_kernel.h"
+#include "zeroshard/widened_gradient_chunk.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
@@ -35,10 +36,6 @@ int64_t optimizer_state_count(InnerOptimizerKind kind,
                               const torch::optim::OptimizerOptions& options);
 
 // One contiguous run of a shard whose parameters share a step count.
-// Elements of a 16-bit gradient shard widened to fp32 at a time (16 MiB), by
-// the step and by the gradient norm: never a whole-shard fp32 copy.
-constexpr int64_t kWidenedGradientChunk = int64_t{1} << 22;
-
 struct ShardView {
   at::Tensor param;            // fp32 master values, updated in place
   at::Tensor grad;             // fp32, same shape

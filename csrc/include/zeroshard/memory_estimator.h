@@ -89,15 +89,25 @@ struct MemoryEstimate {
   // 3 and reduce_bucket_size below), their reduced shards, and on a CPU
   // device the reduce-scatters' receive buffers.
   double staging_bytes = 0;
+  // Stages 1-3, the step's fp32 transient on the device: a 16-bit gradient
+  // updated on the device is widened to fp32 a chunk of kWidenedGradientChunk
+  // elements at a time (or the whole shard, if smaller); with partial
+  // offload, a device sub-group's gradient is widened and scaled whole (two
+  // fp32 copies, one for fp32 gradients). With every sub-group offloaded the
+  // host kernel reads the gradient as it is: 0. Clipping a 16-bit gradient
+  // holds one more chunk while its norm is taken, before the step: not
+  // counted.
+  double step_bytes = 0;
   double activation_bytes = 0;  // EstimateOptions::activation_bytes
   double device_bytes = 0;      // all of the above
   // Offloaded to CPU memory, all ranks of a node. For CPU optimizer offload:
   // the fp32 master (a copy of its own even for fp32 parameters) and moments
   // of the offloaded sub-groups, plus the staging buffers of the offloaded
-  // step (the gradient in fp32 and the returning parameters, one or two
-  // sub-groups of each). For NVMe optimizer offload: the staging buffers and
-  // buffer_count sub-groups' master and moments. For NVMe parameter offload:
-  // the max_in_cpu elements' shards and the read-ahead buffers.
+  // step (the returning parameters, and with ratio < 1 the gradient in fp32,
+  // one or two sub-groups of each); with every sub-group offloaded, the fp32
+  // gradient shard at stages 2-3 (grad_bytes is then 0). For NVMe optimizer offload: the staging
+  // buffers and buffer_count sub-groups' master and moments. For NVMe parameter offload: the
+  // max_in_cpu elements' shards and the read-ahead buffers.
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };

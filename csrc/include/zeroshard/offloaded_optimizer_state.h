@@ -2,11 +2,21 @@
 // master and the moments of each sub-group, on the tier StatePlacement gives
 // it, and the offloaded step.
 //
-// The step, per sub-group (see [Note: offloaded step] in the .cpp): the
-// reduced gradient shard is copied to a host fp32 staging buffer, one fused
-// pass of the host kernel updates master and moments and writes the
-// parameter copy in the parameters' dtype into a second staging buffer, and
-// that goes back to the device. Two buffers of each kind alternate, so on
+// The step, per sub-group (see [Note: offloaded step] in the .cpp): the host
+// kernel reads the sub-group's gradient from the host fp32 gradient shard (or,
+// for a group partly on the device, from a host staging buffer it was copied
+// to), updates master and moments in one fused pass and writes the
+// parameter copy in the parameters' dtype into a staging buffer, and that
+// goes back to the device.
+//
+// [Note: gradients to the host]
+// A group whose sub-groups are all offloaded keeps its gradient shard in
+// host memory, in fp32 (StatePlacement::gradient_shard_on_host): each
+// bucket's reduced slice goes there as soon as its reduce-scatter is waited
+// on, during backward (HostShardReceiver: on CUDA a non-blocking copy on a
+// side stream into pinned memory), so the device holds no gradient shard,
+// only the buckets in flight (DeepSpeed's offload does the same), and the
+// step starts with every gradient already on the host. Two buffers of each kind alternate, so on
 // CUDA with pinned memory the copies of one sub-group overlap the update of
 // the next. Sub-groups that stay on the device (ratio < 1) run the ATen path
 // of inner_optimizer.h instead. Sub-groups on NVMe run the same host kernel on
@@ -91,7 +101,7 @@ class OffloadedOptimizerState {
     size_t swap_index = 0;  // NVMe: the sub-group's index in the swapper
   };
   struct Staging {
-    at::Tensor grad;    // fp32
+    at::Tensor grad;    // fp32; only where a group's gradient shard is on the device
     at::Tensor params;  // the group's parameter dtype
   };
 
@@ -103,7 +113,8 @@ class OffloadedOptimizerState {
                       const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
                       double grad_scale, bool fused, const WriteParameters& write_parameters);
   void run_host_kernel(SubGroupState& state, const torch::optim::OptimizerOptions& options,
-                       const UpdateRun& run, const Staging& staging, float grad_scale) const;
+                       const UpdateRun& run, const Staging& staging, const float* grad,
+                       float grad_scale) const;
   Staging& staging(size_t slot, c10::ScalarType param_dtype);
   class SwappedIn {
    public:

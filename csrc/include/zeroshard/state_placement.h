@@ -52,6 +52,15 @@ class StatePlacement {
   // the size of the host staging buffers; and how many there are.
   int64_t largest_host_sub_group() const { return largest_host_; }
   int64_t host_sub_group_count() const { return host_count_; }
+  // Whether group `group`'s gradient shard lives in host memory, in fp32:
+  // with every sub-group of the group offloaded, nothing on the device reads
+  // it, so each reduced bucket slice goes to the host as it is reduced and
+  // the host kernel reads the shard in place (see [Note: gradients to the
+  // host]). A group with sub-groups on the device keeps its shard there.
+  bool gradient_shard_on_host(size_t group) const;
+  // Whether some offloaded sub-group is fed from a device gradient shard
+  // (partial offload), so the step needs host staging for gradients.
+  bool stages_gradients() const;
   // The tier of offloaded sub-groups: kHost, or kNVMe for device 'nvme'.
   StateTier offload_tier() const { return offload_tier_; }
   StateTier parameter_tier() const {

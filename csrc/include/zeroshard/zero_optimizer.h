@@ -126,8 +126,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
   bool gradient_sync() const { return gradient_sync_; }
 
-  // Bytes of gradient storage held now: the gradient shard, staging buffers
-  // alive, and any .grad still set on the parameters.
+  // Bytes of gradient storage held now on the training device: the gradient
+  // shard, staging buffers alive, and any .grad still set on the parameters.
+  // A gradient shard in host memory (CPU offload) counts in
+  // host_model_state_bytes instead.
   int64_t gradient_bytes() const;
   // Largest staging-buffer footprint since construction or the last reset.
   int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
@@ -302,7 +304,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
     // what the all-gathers send. For fp32 parameters it is also the master.
     at::Tensor param_shard;
-    at::Tensor grad_shard;  // 1D, shard_numel, parameter dtype
+    // 1D, shard_numel, grad_options; in host memory and fp32 when the
+    // placement says so (StatePlacement::gradient_shard_on_host).
+    at::Tensor grad_shard;
+    at::TensorOptions grad_shard_options;
     // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
     // master values are this rank's slices of flat_param itself. See
     // [Note: fp32 master] in zero_optimizer.cpp.

@@ -1,0 +1,62 @@
+#include "zeroshard/host_shard_receiver.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& reduced) {
+  TORCH_INTERNAL_ASSERT(target.numel() == reduced.numel(), "slice lengths differ");
+  if (reduced.device() == target.device()) {
+    target.add_(reduced);
+    return;
+  }
+  if (!target.is_pinned()) {
+    // Pageable memory: a device-to-host copy blocks whatever we do.
+    target.add_(reduced.to(target.device()));
+    return;
+  }
+  const c10::Device device = reduced.device();
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(device.type());
+  // The collective's wait() ordered the current stream after it; the side
+  // stream starts where the current one is now, so backward's next kernels
+  // do not queue behind the transfer.
+  c10::Event reduced_ready(device.type());
+  reduced_ready.record(impl->getStream(device));
+  const c10::Stream side = impl->getStreamFromGlobalPool(device);
+  reduced_ready.block(side);
+  while (pending_.size() >= std::max<size_t>(1, max_pending_)) {
+    drain_oldest();
+  }
+  Pending entry{c10::Event(device.type()),
+                at::empty(reduced.sizes(), at::TensorOptions()
+                                               .dtype(reduced.scalar_type())
+                                               .device(target.device())
+                                               .pinned_memory(true)),
+                target, reduced};
+  {
+    c10::StreamGuard on_side(side);
+    entry.staging.copy_(reduced, /*non_blocking=*/true);
+  }
+  entry.copied.record(side);
+  pending_.push_back(std::move(entry));
+}
+
+void HostShardReceiver::drain_oldest() {
+  Pending& oldest = pending_.front();
+  oldest.copied.synchronize();
+  oldest.target.add_(oldest.staging);
+  pending_.pop_front();
+}
+
+void HostShardReceiver::drain() {
+  while (!pending_.empty()) {
+    drain_oldest();
+  }
+}
+
+}  // namespace zeroshard

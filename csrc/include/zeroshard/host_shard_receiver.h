@@ -1,0 +1,49 @@
+// Reduced bucket slices bound for a gradient shard in host memory (CPU
+// offload of the optimizer: see [Note: gradients to the host] in
+// offloaded_optimizer_state.h).
+//
+// On an accelerator each slice leaves the device as soon as its collective is
+// waited on: a non-blocking copy on a side stream into pinned memory, so the
+// transfer overlaps the rest of backward, then an add into the shard when the
+// slice is drained. With pageable host memory the copy is synchronous; on a
+// CPU device the slice is added at once.
+//
+// Thread-safety: none; GradientBuckets' caller serialises access.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+
+#include <cstddef>
+#include <deque>
+
+namespace zeroshard {
+
+class HostShardReceiver {
+ public:
+  // At most `max_pending` copies in flight: the oldest is drained first.
+  explicit HostShardReceiver(size_t max_pending) : max_pending_(max_pending) {}
+
+  // Adds `reduced` (a device tensor, any floating dtype) into `target` (a host
+  // slice of the same length). `reduced` is kept alive until its copy is done.
+  void receive(const at::Tensor& target, const at::Tensor& reduced);
+
+  // Waits for every copy in flight and adds it into its target.
+  void drain();
+
+  size_t pending() const { return pending_.size(); }
+
+ private:
+  struct Pending {
+    c10::Event copied;
+    at::Tensor staging;  // host, pinned, reduced's dtype
+    at::Tensor target;
+    at::Tensor reduced;
+  };
+  void drain_oldest();
+
+  size_t max_pending_;
+  std::deque<Pending> pending_;
+};
+
+}  // namespace zeroshard
