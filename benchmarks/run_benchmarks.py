@@ -177,7 +177,8 @@ class Variant:
 
     def gradient_bytes(self) -> int | None:
         if self.name.startswith("zeroshard"):
-            return self.optimizer.gradient_bytes()
+            # On the device and, with offload, the shard in host memory.
+            return self.optimizer.gradient_bytes() + self.optimizer.host_gradient_bytes()
         if self.name.startswith("deepspeed"):
             return None  # held in DeepSpeed's internal buffers, not in .grad
         return tensor_bytes(p.grad for p in self.counted.parameters())

@@ -396,6 +396,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_gradient_sync", &ZeroOptimizer::set_gradient_sync, py::arg("enabled"))
       .def("gradient_sync", &ZeroOptimizer::gradient_sync)
       .def("gradient_bytes", &ZeroOptimizer::gradient_bytes)
+      .def("host_gradient_bytes", &ZeroOptimizer::host_gradient_bytes)
       .def("peak_staging_bytes", &ZeroOptimizer::peak_staging_bytes)
       .def("reset_peak_staging_bytes", &ZeroOptimizer::reset_peak_staging_bytes)
       .def("cached_buffer_bytes", &ZeroOptimizer::cached_buffer_bytes)

@@ -226,20 +226,22 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double host_groups = sub_groups - on_device;
     const double largest_host = host_groups > 1 ? sub : host_elements;
     const double per_element = 4 + states;  // fp32 master + moments
-    // With every sub-group offloaded the gradient shard lives on the host in
-    // fp32 and the step reads it in place (StatePlacement::
-    // gradient_shard_on_host); otherwise host sub-groups stage their
-    // gradients in two fp32 buffers.
+    // With every sub-group offloaded the gradient shard lives on the host
+    // (StatePlacement::gradient_shard_options): in fp32 for 'cpu', read in
+    // place by the step; as reduced for 'nvme'. Gradients not read in place
+    // are staged in two fp32 buffers.
+    const bool nvme = options.offload_optimizer() == OffloadDevice::kNVMe;
     const bool grads_on_host = on_device == 0 && host_groups > 0;
+    const bool in_place = grads_on_host && !nvme;
     const double staging =
-        std::min(2.0, host_groups) * largest_host * ((grads_on_host ? 0 : 4) + per.param);
+        std::min(2.0, host_groups) * largest_host * ((in_place ? 0 : 4) + per.param);
     estimate.optimizer_bytes = per_element * device_elements;
     const double ranks = static_cast<double>(options.ranks_per_node());
     if (grads_on_host && stage >= 2) {  // stage 1's shard exists only during step()
       estimate.grad_bytes = 0;
-      estimate.cpu_bytes_per_node += 4 * shard * ranks;
+      estimate.cpu_bytes_per_node += (in_place ? 4 : reduced) * shard * ranks;
     }
-    if (options.offload_optimizer() == OffloadDevice::kNVMe) {
+    if (nvme) {
       // NvmeStateSwapper: the state on disk, buffer_count sub-groups of it in
       // host buffers (slots rounded up to 4 KiB there and on disk: ignored).
       const double buffers =

@@ -340,7 +340,7 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
   std::array<CopyFence, 2> grad_ready;
   std::array<CopyFence, 2> params_returned;
   // [Note: gradients to the host]: the kernel reads a host shard in place.
-  const bool shard_on_host = placement_.gradient_shard_on_host(g);
+  const bool shard_on_host = placement_.reads_gradient_in_place(g);
   TORCH_INTERNAL_ASSERT(
       !shard_on_host || (grad_shard.is_cpu() && grad_shard.scalar_type() == at::kFloat &&
                          grad_shard.is_contiguous()),

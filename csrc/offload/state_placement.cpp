@@ -67,11 +67,21 @@ bool StatePlacement::stages_gradients() const {
     const std::vector<SubGroup>& subs = sub_groups_[g];
     const bool offloaded = std::any_of(
         subs.begin(), subs.end(), [](const SubGroup& s) { return s.tier != StateTier::kDevice; });
-    if (offloaded && !gradient_shard_on_host(g)) {
+    if (offloaded && !reads_gradient_in_place(g)) {
       return true;
     }
   }
   return false;
+}
+
+at::TensorOptions StatePlacement::gradient_shard_options(size_t group,
+                                                         const at::TensorOptions& reduced) const {
+  if (!gradient_shard_on_host(group)) {
+    return reduced;
+  }
+  return options(StateTier::kHost, reads_gradient_in_place(group)
+                                       ? at::kFloat
+                                       : c10::typeMetaToScalarType(reduced.dtype()));
 }
 
 bool StatePlacement::pinned(StateTier tier, bool for_parameters) const {

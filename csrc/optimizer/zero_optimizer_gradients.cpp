@@ -320,6 +320,17 @@ int64_t ZeroOptimizer::gradient_bytes() const {
   return bytes;
 }
 
+int64_t ZeroOptimizer::host_gradient_bytes() const {
+  int64_t bytes = 0;
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    const at::Tensor& shard = shards_[g].grad_shard;
+    if (shard.defined() && placement_->gradient_shard_on_host(g)) {
+      bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
+    }
+  }
+  return bytes;
+}
+
 void ZeroOptimizer::set_loss_scale(double scale) {
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "loss scale must be finite and > 0, got ",
                     scale);

@@ -149,16 +149,12 @@ int64_t ZeroOptimizer::host_model_state_bytes() const {
   if (param_swapper_) {
     bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
   }
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    const GroupShards& shard = shards_[g];
+  for (const auto& shard : shards_) {
     if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kHost) {
       bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
     }
-    if (shard.grad_shard.defined() && placement_->gradient_shard_on_host(g)) {
-      bytes += shard.grad_shard.numel() * static_cast<int64_t>(shard.grad_shard.element_size());
-    }
   }
-  return bytes;
+  return bytes + host_gradient_bytes();
 }
 
 }  // namespace zeroshard

@@ -61,8 +61,14 @@ class OptimizerMeasurements:
         """Bytes of gradients held now on the training device.
 
         The gradient shard, live staging buffers and any ``.grad``; a gradient
-        shard offloaded to host memory counts in ``host_model_state_bytes``."""
+        shard offloaded to host memory counts in ``host_gradient_bytes`` (and
+        ``host_model_state_bytes``)."""
         return int(self._impl.gradient_bytes())
+
+    def host_gradient_bytes(self) -> int:
+        """Bytes of the gradient shard held in host memory (offload with every
+        sub-group offloaded; 0 otherwise)."""
+        return int(self._impl.host_gradient_bytes())
 
     def peak_staging_bytes(self) -> int:
         """Largest gradient staging footprint since the last reset."""

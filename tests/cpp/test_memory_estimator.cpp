@@ -182,6 +182,11 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
       estimate_memory(3, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone));
   auto nvme = estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
+  // With NVMe the host gradient shard stays bf16 (2 bytes x 1.25e8 per rank)
+  // and is staged in fp32 for the step, beside the bf16 parameter copy.
+  EXPECT_EQ(states_only.grad_bytes, 0);
+  EXPECT_DOUBLE_EQ(states_only.cpu_bytes_per_node,
+                   (12 * 1.25e8 + 2 * 1.25e8 + 1.25e8 * (4 + 2)) * 8);
   // The gathered units (the largest and the five that fit in the prefetch
   // window) and the gradient buckets (3 of a unit each, two reduced shards);
   // the gradient shard is on the host.

@@ -48,10 +48,23 @@ TEST(StatePlacement, CutsShardsIntoSubGroupsAndKeepsTheFirstOnesOnTheDeviceByRat
   EXPECT_FALSE(placement.gradient_shard_on_host(0));
   EXPECT_TRUE(placement.gradient_shard_on_host(1));
   EXPECT_TRUE(placement.stages_gradients());
+  EXPECT_FALSE(placement.reads_gradient_in_place(0));
+  EXPECT_TRUE(placement.reads_gradient_in_place(1));
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  EXPECT_EQ(placement.gradient_shard_options(0, bf16).dtype(), at::kBFloat16);
+  EXPECT_EQ(placement.gradient_shard_options(1, bf16).dtype(), at::kFloat);
   StatePlacement all({25, 7}, 10, Cpu(), OffloadOptions(), c10::kCPU);
   EXPECT_TRUE(all.gradient_shard_on_host(0));
   EXPECT_TRUE(all.gradient_shard_on_host(1));
   EXPECT_FALSE(all.stages_gradients());
+  // NVMe: the shard is on the host too, but as reduced (RAM is what binds),
+  // and the step widens it through staging.
+  StatePlacement nvme({25, 7}, 10, OffloadOptions().device(OffloadDevice::kNVMe).nvme_path("/x"),
+                      OffloadOptions(), c10::kCPU);
+  EXPECT_TRUE(nvme.gradient_shard_on_host(0));
+  EXPECT_FALSE(nvme.reads_gradient_in_place(0));
+  EXPECT_TRUE(nvme.stages_gradients());
+  EXPECT_EQ(nvme.gradient_shard_options(0, bf16).dtype(), at::kBFloat16);
 
   StatePlacement none({25}, 10, OffloadOptions(), OffloadOptions(), c10::kCPU);
   for (const auto& sub_group : none.sub_groups(0)) {

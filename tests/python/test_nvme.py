@@ -185,12 +185,12 @@ def test_resident_optimizer_state_is_buffer_count_sub_groups_whatever_the_model_
         # master + 2 moments of BUFFERS sub-groups, slots rounded up to 4 KiB.
         assert small["buffers"] == large["buffers"] == BUFFERS * 3 * SUB_GROUP * 4
         # Optimizer state in host memory = those buffers + the two staging
-        # slots (a parameter copy of one sub-group each): the same at both
-        # sizes. Beside it, the fp32 gradient shard (this rank's half of the
-        # gradients, which every sub-group being offloaded puts on the host:
-        # [Note: gradients to the host]) grows with the model, as it would on
-        # the device.
-        staging = 2 * SUB_GROUP * 4
+        # slots (fp32 gradient and parameter copy of one sub-group each): the
+        # same at both sizes. Beside it, the gradient shard (this rank's half
+        # of the gradients, as reduced: fp32 here), which every sub-group
+        # being offloaded puts on the host ([Note: gradients to the host]),
+        # grows with the model, as it would on the device.
+        staging = 2 * (SUB_GROUP * 4 + SUB_GROUP * 4)
         for row in rows:
             gradient_shard = 4 * row["params"] // 2
             assert row["host"] == row["buffers"] + staging + gradient_shard
@@ -296,7 +296,7 @@ def test_resident_memory_of_the_optimizer_state_does_not_grow_with_the_model(
                 f"of the shard {moments / mib:.1f} MiB, NVMe buffers and staging "
                 f"{state / mib:.1f} MiB"
             )
-            assert state == RSS_BUFFERS * 3 * RSS_SUB_GROUP * 4 + 2 * RSS_SUB_GROUP * 4
+            assert state == RSS_BUFFERS * 3 * RSS_SUB_GROUP * 4 + 4 * RSS_SUB_GROUP * 4
             # glibc's heap and the runs' own buffers vary by tens of MiB: 32 MiB slack.
             assert p["added"] - n["added"] >= moments - state - 32 * mib
 

@@ -11,16 +11,19 @@
 //
 // [Note: gradients to the host]
 // A group whose sub-groups are all offloaded keeps its gradient shard in
-// host memory, in fp32 (StatePlacement::gradient_shard_on_host): each
-// bucket's reduced slice goes there as soon as its reduce-scatter is waited
-// on, during backward (HostShardReceiver: on CUDA a non-blocking copy on a
-// side stream into pinned memory), so the device holds no gradient shard,
-// only the buckets in flight (DeepSpeed's offload does the same), and the
-// step starts with every gradient already on the host. Two buffers of each kind alternate, so on
-// CUDA with pinned memory the copies of one sub-group overlap the update of
-// the next. Sub-groups that stay on the device (ratio < 1) run the ATen path
-// of inner_optimizer.h instead. Sub-groups on NVMe run the same host kernel on
-// states the NvmeStateSwapper brings in and writes back around each update.
+// host memory (StatePlacement::gradient_shard_on_host): each bucket's reduced
+// slice goes there as soon as its reduce-scatter is waited on, during
+// backward (HostShardReceiver: on CUDA a non-blocking copy on a side stream
+// into pinned memory), so the device holds no gradient shard, only the
+// buckets in flight (DeepSpeed's offload does the same), and the step starts
+// with every gradient already on the host. With 'cpu' offload the shard is
+// fp32 and the kernel reads it in place; with 'nvme' it keeps the reduced
+// dtype (host RAM is what NVMe offload saves; a 16-bit shard is half an fp32
+// one) and goes through the fp32 staging slots like a device shard. Two buffers of each kind
+// alternate, so on CUDA with pinned memory the copies of one sub-group overlap the update of the
+// next. Sub-groups that stay on the device (ratio < 1) run the ATen path of inner_optimizer.h
+// instead. Sub-groups on NVMe run the same host kernel on states the NvmeStateSwapper brings in and
+// writes back around each update.
 #pragma once
 
 #include "zeroshard/inner_optimizer.h"

@@ -52,14 +52,26 @@ class StatePlacement {
   // the size of the host staging buffers; and how many there are.
   int64_t largest_host_sub_group() const { return largest_host_; }
   int64_t host_sub_group_count() const { return host_count_; }
-  // Whether group `group`'s gradient shard lives in host memory, in fp32:
-  // with every sub-group of the group offloaded, nothing on the device reads
-  // it, so each reduced bucket slice goes to the host as it is reduced and
-  // the host kernel reads the shard in place (see [Note: gradients to the
-  // host]). A group with sub-groups on the device keeps its shard there.
+  // Whether group `group`'s gradient shard lives in host memory: with every
+  // sub-group of the group offloaded nothing on the device reads it, so each
+  // reduced bucket slice goes to the host as it is reduced (see [Note:
+  // gradients to the host]). A group with sub-groups on the device keeps its
+  // shard there.
   bool gradient_shard_on_host(size_t group) const;
-  // Whether some offloaded sub-group is fed from a device gradient shard
-  // (partial offload), so the step needs host staging for gradients.
+  // Where and in what dtype group `group`'s gradient shard is allocated, given
+  // `reduced`, the options of its reduced buckets: on the device as reduced;
+  // on the host in fp32 with 'cpu' offload, which the host kernel then reads
+  // in place; on the host as reduced with 'nvme' offload, where RAM is what
+  // binds (a 16-bit shard is half an fp32 one) and the step widens it
+  // through staging.
+  at::TensorOptions gradient_shard_options(size_t group, const at::TensorOptions& reduced) const;
+  // Whether the host kernel reads group `group`'s gradient shard in place
+  // (on the host, fp32): 'cpu' offload of every sub-group.
+  bool reads_gradient_in_place(size_t group) const {
+    return gradient_shard_on_host(group) && offload_tier_ == StateTier::kHost;
+  }
+  // Whether some offloaded sub-group's gradient is not read in place, so the
+  // step needs fp32 staging for gradients.
   bool stages_gradients() const;
   // The tier of offloaded sub-groups: kHost, or kNVMe for device 'nvme'.
   StateTier offload_tier() const { return offload_tier_; }

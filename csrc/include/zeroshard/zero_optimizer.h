@@ -128,9 +128,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
 
   // Bytes of gradient storage held now on the training device: the gradient
   // shard, staging buffers alive, and any .grad still set on the parameters.
-  // A gradient shard in host memory (CPU offload) counts in
-  // host_model_state_bytes instead.
+  // A gradient shard in host memory (offload) counts in
+  // host_gradient_bytes() and host_model_state_bytes() instead.
   int64_t gradient_bytes() const;
+  int64_t host_gradient_bytes() const;
   // Largest staging-buffer footprint since construction or the last reset.
   int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
   void reset_peak_staging_bytes() { buckets_->reset_peak_staging_bytes(); }
@@ -304,8 +305,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
     // what the all-gathers send. For fp32 parameters it is also the master.
     at::Tensor param_shard;
-    // 1D, shard_numel, grad_options; in host memory and fp32 when the
-    // placement says so (StatePlacement::gradient_shard_on_host).
+    // 1D, shard_numel, grad_options; in host memory (fp32 with 'cpu'
+    // offload) when the placement says so (StatePlacement::
+    // gradient_shard_options).
     at::Tensor grad_shard;
     at::TensorOptions grad_shard_options;
     // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
