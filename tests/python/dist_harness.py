@@ -107,14 +107,17 @@ def _worker(
             os.close(fd)
     torch.set_num_threads(1)
     try:
+        # The harness's own store (public API), so the join barrier below can
+        # use it: init_process_group keeps its keys under a prefix of its own.
+        store = dist.FileStore(init_file, world_size)
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{init_file}",
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
-        _wait_until_every_rank_joined(rank, world_size)
+        _wait_until_every_rank_joined(store, rank, world_size)
         value: Any = fn(rank, world_size, *args)
     except BaseException as error:  # noqa: BLE001 - reported to the parent
         value = RankError(type(error).__name__, str(error), traceback.format_exc())
@@ -128,7 +131,7 @@ def _worker(
     ctypes.CDLL(None).fflush(None)
 
 
-def _wait_until_every_rank_joined(rank: int, world_size: int) -> None:
+def _wait_until_every_rank_joined(store: dist.Store, rank: int, world_size: int) -> None:
     """Returns once every rank's default group is set up.
 
     Gloo's connectFullMesh can return on one rank while a peer is still
@@ -138,7 +141,6 @@ def _wait_until_every_rank_joined(rank: int, world_size: int) -> None:
     seen once in a full run (test_engine's config-error test). A store
     barrier keeps every rank's group alive until all are connected.
     """
-    store = dist.distributed_c10d._get_default_store()
     store.set(f"dist_harness/joined/{rank}", "1")
     store.wait(
         [f"dist_harness/joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=60)

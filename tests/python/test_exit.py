@@ -186,6 +186,32 @@ def test_a_script_that_keeps_its_optimizer_still_exits_without_gloo_threads(stag
         assert "pt_gloo_runloop" not in at_exit, f"rank {rank}: Gloo threads at exit: {at_exit}"
 
 
+def _gloo_threads_at_exit(args: list[str]) -> list[int]:
+    counts = []
+    for rank, (code, out) in enumerate(_run_ranks(args)):
+        assert code == 0, f"rank {rank} exited with {code}:\n{out}"
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        at_exit = next(line["threads_at_exit"] for line in lines if "threads_at_exit" in line)
+        counts.append(at_exit.count("pt_gloo_runloop"))
+    return counts
+
+
+def test_tensor_parallel_groups_left_at_exit_are_torchs_not_zeroshards() -> None:
+    # A script that keeps a tensor-parallel model (DTensor parameters on a
+    # 1 x 2 device mesh) keeps the mesh's groups alive past
+    # destroy_process_group() with torch.optim alone: torch's DTensor/DeviceMesh
+    # hold them (measured: two groups' Gloo threads at exit). Keeping a
+    # zeroshard optimizer on the same model as well must leave no more than
+    # that: the release at exit drops zeroshard's own hold on the groups.
+    baseline = _gloo_threads_at_exit(["leaky_tp", "none"])
+    print(f"Gloo threads at exit per rank, torch.optim alone: {baseline}")
+    assert all(count > 0 for count in baseline), "precondition: torch keeps the mesh's groups"
+    for stage in (2, 3):
+        with_zeroshard = _gloo_threads_at_exit(["leaky_tp", str(stage)])
+        print(f"... with a zeroshard stage {stage} optimizer kept too: {with_zeroshard}")
+        assert with_zeroshard == baseline
+
+
 PG_TIMEOUT_SECONDS = 5.0
 REPORT_SECONDS = 3.0  # ZeroOptimizer's failure_report_seconds default
 

@@ -4,6 +4,9 @@
     python exit_scenarios.py late            # a collective still running at exit
     python exit_scenarios.py leaky STAGE     # keeps model and optimizer past destroy;
         # prints the threads after destroy and at exit (after zeroshard's handler)
+    python exit_scenarios.py leaky_tp STAGE|none  # the same with tensor parallelism
+        # (a 1 x WORLD_SIZE device mesh, DTensor parameters); 'none': the
+        # model alone, trained with torch.optim.SGD instead of zeroshard
     python exit_scenarios.py example SCRIPT ARGS...  # examples/SCRIPT ARGS; prints
         # the threads left right after its own destroy_process_group()
     python exit_scenarios.py fault kill|stall STAGE
@@ -22,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +39,7 @@ def thread_names() -> list[str]:
     )
 
 
-if sys.argv[1:2] == ["leaky"]:
+if sys.argv[1:2] in (["leaky"], ["leaky_tp"]):
     # Registered before zeroshard is imported, so it runs after zeroshard's
     # own exit handler (atexit runs handlers last-in, first-out).
     atexit.register(lambda: print(json.dumps({"threads_at_exit": thread_names()}), flush=True))
@@ -118,6 +122,33 @@ def fault(kind: str, stage: int) -> None:
     print(json.dumps({"rank": rank, "error": None}), flush=True)
 
 
+def train_briefly_tensor_parallel(stage: int | None) -> tuple[nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = (
+        torch.optim.SGD(model.parameters(), lr=1e-2)
+        if stage is None
+        else zeroshard.ZeroOptimizer(
+            model.parameters(), stage=stage, lr=1e-2, device_mesh=mesh["dp"], **extra
+        )
+    )
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer  # the mesh is dropped here, as a script's local
+
+
 def main() -> None:
     if sys.argv[1] == "example":
         run_example(sys.argv[2], sys.argv[3:])
@@ -134,8 +165,12 @@ def main() -> None:
         del model, optimizer
         dist.destroy_process_group()
         print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
-    elif sys.argv[1] == "leaky":
-        KEPT.extend(train_briefly(int(sys.argv[2])))
+    elif sys.argv[1] in ("leaky", "leaky_tp"):
+        if sys.argv[1] == "leaky":
+            KEPT.extend(train_briefly(int(sys.argv[2])))
+        else:
+            stage = None if sys.argv[2] == "none" else int(sys.argv[2])
+            KEPT.extend(train_briefly_tensor_parallel(stage))
         dist.destroy_process_group()
         print(json.dumps({"rank": rank, "threads": thread_names()}), flush=True)
     elif sys.argv[1] == "late":
