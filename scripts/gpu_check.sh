@@ -30,6 +30,8 @@ status=0
   command -v ccache >/dev/null && [ -x /usr/lib/ccache/g++ ] && export CXX=/usr/lib/ccache/g++
   export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
   [ -d .devdeps/include ] && export CPATH="$PWD/.devdeps/include${CPATH:+:$CPATH}"
+  # liburing's headers and static library, when gpu_check_deps.sh carried them.
+  [ -f .devdeps/lib/liburing.a ] && export CMAKE_PREFIX_PATH="$PWD/.devdeps${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
   if ! command -v ninja >/dev/null; then
     ninja_dir=$("$PYTHON" -c "import ninja, os; print(ninja.BIN_DIR)" 2>/dev/null || true)
     [ -n "$ninja_dir" ] && export PATH="$ninja_dir:$PATH"
