@@ -67,6 +67,9 @@ def _train(
         **(offload or {}),
     )
     train(OnGpu(model), optimizer, STEPS, rank, world_size)
+    stats = optimizer.nvme_stats()
+    if stats is not None:  # which I/O back end the GPU machine's build runs
+        print(f"NVMe I/O back end: {stats['backend']}", flush=True)
     with optimizer.gathered_parameters():
         return {k: v.cpu() for k, v in snapshot(model).items()}
 
