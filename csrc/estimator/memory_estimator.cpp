@@ -170,14 +170,14 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
         std::min(std::min(by_window, by_live) * largest, std::max(0.0, psi - largest));
     estimate.working_bytes = per.param * (largest + prefetched);
   }
+  // A unit is never split across buckets; other parameters are cut by size.
+  const double bucket =
+      std::max(stage == 3 ? largest : 0.0, std::min(options.reduce_bucket_size(), psi));
+  const double in_flight = static_cast<double>(options.max_buckets_in_flight());
   if (stage >= 1) {
     TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1 && options.max_buckets_in_flight() >= 1,
                       "reduce_bucket_size and max_buckets_in_flight must be >= 1, got ",
                       options.reduce_bucket_size(), " and ", options.max_buckets_in_flight());
-    // A unit is never split across buckets; other parameters are cut by size.
-    const double bucket =
-        std::max(stage == 3 ? largest : 0.0, std::min(options.reduce_bucket_size(), psi));
-    const double in_flight = static_cast<double>(options.max_buckets_in_flight());
     const double receive = options.host_device() ? in_flight * bucket : 0;
     estimate.staging_bytes =
         reduced * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
@@ -237,9 +237,17 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
         std::min(2.0, host_groups) * largest_host * ((in_place ? 0 : 4) + per.param);
     estimate.optimizer_bytes = per_element * device_elements;
     const double ranks = static_cast<double>(options.ranks_per_node());
-    if (grads_on_host && stage >= 2) {  // stage 1's shard exists only during step()
+    // Stage 1's shard is a transient of step() (or lives from backward to
+    // step() with stage1_reduce_in_backward): not counted, as on the device
+    // without offload.
+    if (grads_on_host && stage >= 2) {
       estimate.grad_bytes = 0;
       estimate.cpu_bytes_per_node += (in_place ? 4 : reduced) * shard * ranks;
+      if (!options.host_device()) {
+        // HostShardReceiver's pinned staging on an accelerator: a reduced
+        // bucket slice per collective in flight.
+        estimate.cpu_bytes_per_node += in_flight * bucket / n * reduced * ranks;
+      }
     }
     if (nvme) {
       // NvmeStateSwapper: the state on disk, buffer_count sub-groups of it in

@@ -15,11 +15,6 @@ void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& redu
     target.add_(reduced);
     return;
   }
-  if (!target.is_pinned()) {
-    // Pageable memory: a device-to-host copy blocks whatever we do.
-    target.add_(reduced.to(target.device()));
-    return;
-  }
   const c10::Device device = reduced.device();
   const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(device.type());
   // The collective's wait() ordered the current stream after it; the side
@@ -32,17 +27,24 @@ void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& redu
   while (pending_.size() >= std::max<size_t>(1, max_pending_)) {
     drain_oldest();
   }
+  // Pinned whatever the shard is (pin_memory only says how the state is
+  // held): a copy into pageable memory would block this hook, inside
+  // backward, once per bucket. At most max_pending_ slices of it.
   Pending entry{c10::Event(device.type()),
                 at::empty(reduced.sizes(), at::TensorOptions()
                                                .dtype(reduced.scalar_type())
                                                .device(target.device())
                                                .pinned_memory(true)),
-                target, reduced};
+                target};
   {
     c10::StreamGuard on_side(side);
     entry.staging.copy_(reduced, /*non_blocking=*/true);
   }
   entry.copied.record(side);
+  // The device allocator keeps `reduced`'s block from reuse until the side
+  // stream's copy is done, so the caller may release it now: no device
+  // memory beyond the buckets in flight.
+  impl->recordDataPtrOnStream(reduced.storage().data_ptr(), side);
   pending_.push_back(std::move(entry));
 }
 

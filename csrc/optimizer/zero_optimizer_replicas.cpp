@@ -6,11 +6,15 @@
 // take identical steps. Parameter all-gathers never leave the shard group.
 #include "zeroshard/zero_optimizer.h"
 
+#include "zeroshard/widened_gradient_chunk.h"
+
 #include "../checkpoint/checkpoint_detail.h"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
+#include <string>
 #include <vector>
 
 namespace zeroshard {
@@ -73,13 +77,21 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
     if (!shard.defined() || shard.numel() == 0) {
       continue;  // every replica has the same layout, so all skip alike
     }
-    // A host shard (offload) travels through the device when the backend
-    // needs device tensors (NCCL); on Gloo it is reduced where it is.
-    const bool staged = shard.device() != device_;
-    at::Tensor sum = staged ? shard.to(device_) : shard;
-    replica_comm_->all_reduce_sum(sum, "replicas/group" + std::to_string(g) + "/grad_shard");
-    if (staged) {
-      shard.copy_(sum);
+    const std::string tag = "replicas/group" + std::to_string(g) + "/grad_shard";
+    if (shard.device() == device_) {
+      replica_comm_->all_reduce_sum(shard, tag);
+      continue;
+    }
+    // A host shard (offload) travels through the device (NCCL needs device
+    // tensors), a chunk at a time: a whole fp32 copy of it on the device
+    // would be twice the 16-bit shard that offload took off it. Every replica
+    // has the same layout, so all issue the same chunks.
+    const int64_t numel = shard.numel();
+    for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
+      at::Tensor host = shard.narrow(0, done, std::min(kWidenedGradientChunk, numel - done));
+      at::Tensor sum = host.to(device_);
+      replica_comm_->all_reduce_sum(sum, tag);
+      host.copy_(sum);
     }
   }
 }

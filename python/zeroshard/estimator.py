@@ -147,7 +147,9 @@ def estimate(
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
     ignored (reported as not applicable) below it. ``offload_ratio`` and
     ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``
-    includes its staging buffers, and with NVMe ``nvme_buffer_count``
+    includes its staging buffers, the gradient shard when every sub-group is
+    offloaded, and on an accelerator (``host_device`` false) the pinned
+    slices of the reductions in flight; with NVMe ``nvme_buffer_count``
     sub-groups of state in host buffers; see ``zeroshard::EstimateOptions``).
     With ``offload_param="nvme"``, ``param_max_in_cpu`` shard elements stay in
     host memory and ``param_buffer_count`` buckets (at most the largest

@@ -161,8 +161,13 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   EXPECT_EQ(e.grad_bytes, 0);
   // Per rank: 12 bytes x 1e9 / 8 of state, the fp32 gradient shard (4 bytes)
   // and one staging slot of the whole shard (a single sub-group) for the
-  // bf16 parameter copy (2 bytes).
-  EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9 + 6e9);
+  // bf16 parameter copy (2 bytes); on an accelerator also the pinned staging
+  // of the reduced slices in flight (2 of 5e6 / 8 bf16 elements per rank).
+  const double pinned = 2 * 5e6 / 8 * 2 * 8;
+  EXPECT_DOUBLE_EQ(e.cpu_bytes_per_node, 12e9 + 6e9 + pinned);
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(2, EstimateOptions(options).host_device(true)).cpu_bytes_per_node,
+      12e9 + 6e9);
   // Ten sub-groups of 1.25e7: two staging slots (fp32 gradient and bf16
   // copy); ratio 0.5 keeps five on the device, and the gradient shard there.
   auto partial =
@@ -173,7 +178,7 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   // fp32 parameters: the offloaded master is a copy of its own (12 bytes, not
   // 8); the fp32 gradient shard and the fp32 parameter copy, 4 bytes each.
   auto fp32 = estimate_memory(2, EstimateOptions(options).precision(PrecisionRecipe::kFp32));
-  EXPECT_DOUBLE_EQ(fp32.cpu_bytes_per_node, (12 * 1.25e8 + 8 * 1.25e8) * 8);
+  EXPECT_DOUBLE_EQ(fp32.cpu_bytes_per_node, (12 * 1.25e8 + 8 * 1.25e8) * 8 + 2 * pinned);
   const auto nvme_options = EstimateOptions(options)
                                 .offload_optimizer(OffloadDevice::kNVMe)
                                 .offload_param(OffloadDevice::kNVMe)
@@ -183,10 +188,11 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   auto nvme = estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0));
   EXPECT_DOUBLE_EQ(nvme.nvme_bytes_per_node, 14e9);
   // With NVMe the host gradient shard stays bf16 (2 bytes x 1.25e8 per rank)
-  // and is staged in fp32 for the step, beside the bf16 parameter copy.
+  // and is staged in fp32 for the step, beside the bf16 parameter copy; the
+  // pinned slices in flight are a unit's (1e7 / 8 elements) at stage 3.
   EXPECT_EQ(states_only.grad_bytes, 0);
   EXPECT_DOUBLE_EQ(states_only.cpu_bytes_per_node,
-                   (12 * 1.25e8 + 2 * 1.25e8 + 1.25e8 * (4 + 2)) * 8);
+                   (12 * 1.25e8 + 2 * 1.25e8 + 1.25e8 * (4 + 2) + 2 * 1e7 / 8 * 2) * 8);
   // The gathered units (the largest and the five that fit in the prefetch
   // window) and the gradient buckets (3 of a unit each, two reduced shards);
   // the gradient shard is on the host.

@@ -3,10 +3,11 @@
 // offloaded_optimizer_state.h).
 //
 // On an accelerator each slice leaves the device as soon as its collective is
-// waited on: a non-blocking copy on a side stream into pinned memory, so the
-// transfer overlaps the rest of backward, then an add into the shard when the
-// slice is drained. With pageable host memory the copy is synchronous; on a
-// CPU device the slice is added at once.
+// waited on: a non-blocking copy on a side stream into pinned staging (at
+// most `max_pending` slices of it), so the transfer overlaps the rest of
+// backward, then an add into the shard when the slice is drained. The
+// device buffer is recorded on the side stream and may be released at once.
+// On a CPU device the slice is added at once.
 //
 // Thread-safety: none; GradientBuckets' caller serialises access.
 #pragma once
@@ -25,7 +26,7 @@ class HostShardReceiver {
   explicit HostShardReceiver(size_t max_pending) : max_pending_(max_pending) {}
 
   // Adds `reduced` (a device tensor, any floating dtype) into `target` (a host
-  // slice of the same length). `reduced` is kept alive until its copy is done.
+  // slice of the same length), now or when drained.
   void receive(const at::Tensor& target, const at::Tensor& reduced);
 
   // Waits for every copy in flight and adds it into its target.
@@ -38,7 +39,6 @@ class HostShardReceiver {
     c10::Event copied;
     at::Tensor staging;  // host, pinned, reduced's dtype
     at::Tensor target;
-    at::Tensor reduced;
   };
   void drain_oldest();
 

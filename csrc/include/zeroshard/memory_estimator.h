@@ -64,6 +64,8 @@ struct EstimateOptions {
   TORCH_ARG(double, reduce_bucket_size) = 5e6;
   TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
   TORCH_ARG(double, prefetch_bucket_size) = 5e7;
+  // host_device false also counts the pinned staging of gradient slices
+  // bound for a host gradient shard (offload on an accelerator).
   TORCH_ARG(bool, host_device) = false;
   // Stage 3's stage3_max_live_parameters: the prefetch stops before the
   // gathered elements would pass it (parameter_gatherer.h).
