@@ -24,7 +24,10 @@ void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& redu
   reduced_ready.record(impl->getStream(device));
   const c10::Stream side = impl->getStreamFromGlobalPool(device);
   reduced_ready.block(side);
-  while (pending_.size() >= std::max<size_t>(1, max_pending_)) {
+  // Copies already done are added now, so the end of the round finds
+  // little left; past max_pending_, the oldest is waited for.
+  while (!pending_.empty() && (pending_.size() >= std::max<size_t>(1, max_pending_) ||
+                               pending_.front().copied.query())) {
     drain_oldest();
   }
   // Pinned whatever the shard is (pin_memory only says how the state is
