@@ -181,21 +181,10 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double receive = options.host_device() ? in_flight * bucket : 0;
     estimate.staging_bytes =
         reduced * ((in_flight + 1) * bucket + in_flight * bucket / n + receive);
-  }
-  if (stage >= 1) {
-    // ZeroOptimizer's update (zero_optimizer_update.cpp) and the offloaded
-    // step's device sub-groups (offloaded_optimizer_state.cpp).
-    const double shard = psi / n;
-    const bool sixteen_bit_grads = reduced < 4;
-    if (options.offload_optimizer() == OffloadDevice::kNone) {
-      estimate.step_bytes =
-          sixteen_bit_grads ? 4 * std::min(static_cast<double>(kWidenedGradientChunk), shard) : 0;
-    } else {
-      const double sub_groups = std::ceil(shard / options.sub_group_size());
-      const double on_device = std::floor((1 - options.offload_ratio()) * sub_groups + 1e-9);
-      const double device_elements = std::min(shard, on_device * options.sub_group_size());
-      estimate.step_bytes =
-          (sixteen_bit_grads ? 8 : 4) * std::min(device_elements, options.sub_group_size());
+    // ZeroOptimizer's update (zero_optimizer_update.cpp) widens a 16-bit
+    // gradient a chunk at a time; with offload, see the device sub-groups below.
+    if (options.offload_optimizer() == OffloadDevice::kNone && reduced < 4) {
+      estimate.step_bytes = 4 * std::min(static_cast<double>(kWidenedGradientChunk), psi / n);
     }
   }
   auto offload = [&](OffloadDevice device, double& bytes) {
@@ -226,6 +215,9 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double host_groups = sub_groups - on_device;
     const double largest_host = host_groups > 1 ? sub : host_elements;
     const double per_element = 4 + states;  // fp32 master + moments
+    // The offloaded step's device sub-groups (offloaded_optimizer_state.cpp)
+    // widen (16-bit) and scale their gradient whole, one sub-group at a time.
+    estimate.step_bytes = (reduced < 4 ? 8 : 4) * std::min(device_elements, sub);
     // With every sub-group offloaded the gradient shard lives on the host
     // (StatePlacement::gradient_shard_options): in fp32 for 'cpu', read in
     // place by the step; as reduced for 'nvme'. Gradients not read in place

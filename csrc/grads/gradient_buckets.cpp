@@ -28,7 +28,7 @@ GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& co
                                  bool launch_eagerly, BucketComplete on_complete)
     : layout_(layout),
       comm_(comm),
-      host_receiver_(max_in_flight),
+      host_receiver_(std::max<size_t>(1, max_in_flight)),
       grad_options_(std::move(grad_options)),
       grad_shard_of_(std::move(grad_shard_of)),
       on_complete_(std::move(on_complete)),

@@ -5,8 +5,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 namespace zeroshard {
 
 void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& reduced) {
@@ -26,8 +24,8 @@ void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& redu
   reduced_ready.block(side);
   // Copies already done are added now, so the end of the round finds
   // little left; past max_pending_, the oldest is waited for.
-  while (!pending_.empty() && (pending_.size() >= std::max<size_t>(1, max_pending_) ||
-                               pending_.front().copied.query())) {
+  while (!pending_.empty() &&
+         (pending_.size() >= max_pending_ || pending_.front().copied.query())) {
     drain_oldest();
   }
   // Pinned whatever the shard is (pin_memory only says how the state is

@@ -340,13 +340,13 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
   std::array<CopyFence, 2> grad_ready;
   std::array<CopyFence, 2> params_returned;
   // [Note: gradients to the host]: the kernel reads a host shard in place.
-  const bool shard_on_host = placement_.reads_gradient_in_place(g);
+  const bool in_place = placement_.reads_gradient_in_place(g);
   TORCH_INTERNAL_ASSERT(
-      !shard_on_host || (grad_shard.is_cpu() && grad_shard.scalar_type() == at::kFloat &&
-                         grad_shard.is_contiguous()),
+      !in_place || (grad_shard.is_cpu() && grad_shard.scalar_type() == at::kFloat &&
+                    grad_shard.is_contiguous()),
       "a host gradient shard must be a contiguous fp32 CPU tensor");
   auto fetch_gradient = [&](size_t i) {
-    if (shard_on_host) {
+    if (in_place) {
       return;
     }
     const SubGroup& where = sub_groups[host[i]].where;
@@ -387,8 +387,8 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
     grad_ready[i % slots].wait();
     params_returned[i % slots].wait();
     const Staging& slot = staging(i % slots, param_dtypes_[g]);
-    const float* grad = shard_on_host ? grad_shard.data_ptr<float>() + state.where.offset
-                                      : slot.grad.data_ptr<float>();
+    const float* grad =
+        in_place ? grad_shard.data_ptr<float>() + state.where.offset : slot.grad.data_ptr<float>();
     for (const UpdateRun& run : per_sub_group[host[i]]) {
       run_host_kernel(state, options, run, slot, grad, static_cast<float>(grad_scale));
     }

@@ -186,7 +186,6 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
     shards_[g].grad_options =
         options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
     grad_options.push_back(shards_[g].grad_options);
-    shards_[g].grad_shard_options = placement_->gradient_shard_options(g, shards_[g].grad_options);
   }
   if (placement_->offloads_optimizer()) {
     std::vector<c10::ScalarType> dtypes;

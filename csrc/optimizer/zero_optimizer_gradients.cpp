@@ -93,8 +93,7 @@ void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& gr
 void ZeroOptimizer::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
-      shards_[g].grad_shard =
-          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_shard_options);
+      shards_[g].grad_shard = zeros_buffer(layout_->group(g).shard_numel(), grad_shard_options(g));
     }
   }
 }
@@ -171,8 +170,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     // complete, and launch, one after another.
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
-      shards_[g].grad_shard =
-          zeros_buffer(layout_->group(g).shard_numel(), shards_[g].grad_shard_options);
+      shards_[g].grad_shard = zeros_buffer(layout_->group(g).shard_numel(), grad_shard_options(g));
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -304,14 +302,21 @@ int64_t ZeroOptimizer::release_cached_buffers() {
   return bytes;
 }
 
-int64_t ZeroOptimizer::gradient_bytes() const {
-  int64_t bytes = buckets_->live_staging_bytes();
+int64_t ZeroOptimizer::gradient_shard_bytes(bool on_host) const {
+  int64_t bytes = 0;
   for (size_t g = 0; g < shards_.size(); ++g) {
     const at::Tensor& shard = shards_[g].grad_shard;
-    if (shard.defined() && !placement_->gradient_shard_on_host(g)) {
+    if (shard.defined() && placement_->gradient_shard_on_host(g) == on_host) {
       bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
     }
-    for (const auto& param : param_groups_[g].params()) {
+  }
+  return bytes;
+}
+
+int64_t ZeroOptimizer::gradient_bytes() const {
+  int64_t bytes = buckets_->live_staging_bytes() + gradient_shard_bytes(/*on_host=*/false);
+  for (const auto& group : param_groups_) {
+    for (const auto& param : group.params()) {
       if (param.grad().defined()) {
         bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());
       }
@@ -321,14 +326,7 @@ int64_t ZeroOptimizer::gradient_bytes() const {
 }
 
 int64_t ZeroOptimizer::host_gradient_bytes() const {
-  int64_t bytes = 0;
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    const at::Tensor& shard = shards_[g].grad_shard;
-    if (shard.defined() && placement_->gradient_shard_on_host(g)) {
-      bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
-    }
-  }
-  return bytes;
+  return gradient_shard_bytes(/*on_host=*/true);
 }
 
 void ZeroOptimizer::set_loss_scale(double scale) {

@@ -22,7 +22,7 @@ namespace zeroshard {
 
 class HostShardReceiver {
  public:
-  // At most `max_pending` copies in flight: the oldest is drained first.
+  // At most `max_pending` (>= 1) copies in flight: the oldest is drained first.
   explicit HostShardReceiver(size_t max_pending) : max_pending_(max_pending) {}
 
   // Adds `reduced` (a device tensor, any floating dtype) into `target` (a host

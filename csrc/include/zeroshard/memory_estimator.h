@@ -105,11 +105,14 @@ struct MemoryEstimate {
   // Offloaded to CPU memory, all ranks of a node. For CPU optimizer offload:
   // the fp32 master (a copy of its own even for fp32 parameters) and moments
   // of the offloaded sub-groups, plus the staging buffers of the offloaded
-  // step (the returning parameters, and with ratio < 1 the gradient in fp32,
-  // one or two sub-groups of each); with every sub-group offloaded, the fp32
-  // gradient shard at stages 2-3 (grad_bytes is then 0). For NVMe optimizer offload: the staging
-  // buffers and buffer_count sub-groups' master and moments. For NVMe parameter offload: the
-  // max_in_cpu elements' shards and the read-ahead buffers.
+  // step (the returning parameters, and the gradient in fp32 unless the step
+  // reads a 'cpu' host shard in place, one or two sub-groups of each); with
+  // every sub-group offloaded, the gradient shard at stages 2-3 (fp32 for
+  // 'cpu', the reduced dtype for 'nvme'; grad_bytes is then 0) and, without
+  // host_device, the pinned slices of the reductions in flight. For NVMe
+  // optimizer offload: the staging buffers and buffer_count sub-groups'
+  // master and moments. For NVMe parameter offload: the max_in_cpu elements'
+  // shards and the read-ahead buffers.
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };

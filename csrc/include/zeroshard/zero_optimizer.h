@@ -305,11 +305,9 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
     // what the all-gathers send. For fp32 parameters it is also the master.
     at::Tensor param_shard;
-    // 1D, shard_numel, grad_options; in host memory (fp32 with 'cpu'
-    // offload) when the placement says so (StatePlacement::
-    // gradient_shard_options).
+    // 1D, shard_numel, grad_shard_options(g): grad_options, or in host
+    // memory (fp32 with 'cpu' offload) when the placement says so.
     at::Tensor grad_shard;
-    at::TensorOptions grad_shard_options;
     // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
     // master values are this rank's slices of flat_param itself. See
     // [Note: fp32 master] in zero_optimizer.cpp.
@@ -445,6 +443,12 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // group it talks over (shard, replica, tensor-parallel).
   std::unique_ptr<Communicator> make_communicator(
       c10::intrusive_ptr<c10d::ProcessGroup> group) const;
+  // Where group g's gradient shard is allocated (StatePlacement decides).
+  at::TensorOptions grad_shard_options(size_t g) const {
+    return placement_->gradient_shard_options(g, shards_[g].grad_options);
+  }
+  // Bytes of the gradient shards held on the host (on_host) or the device.
+  int64_t gradient_shard_bytes(bool on_host) const;
 
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
