@@ -15,7 +15,7 @@
 // slice goes there as soon as its reduce-scatter is waited on, during
 // backward (HostShardReceiver: on CUDA a non-blocking copy on a side stream
 // into pinned memory), so the device holds no gradient shard, only the
-// buckets in flight (DeepSpeed's offload does the same), and the step starts
+// buckets in flight, and the step starts
 // with every gradient already on the host. With 'cpu' offload the shard is
 // fp32 and the kernel reads it in place; with 'nvme' it keeps the reduced
 // dtype (host RAM is what NVMe offload saves; a 16-bit shard is half an fp32
