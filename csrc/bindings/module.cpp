@@ -118,6 +118,8 @@ OffloadOptions offload_options_from(const py::dict& values) {
       options.pipeline_read(value.cast<bool>());
     } else if (key == "pipeline_write") {
       options.pipeline_write(value.cast<bool>());
+    } else if (key == "swap_gradients") {
+      options.swap_gradients(value.cast<bool>());
     } else {
       TORCH_CHECK_TYPE(false, "unknown offload option '", key, "'");
     }
@@ -408,6 +410,7 @@ PYBIND11_MODULE(_C, m) {
            [](const ZeroOptimizer& self) -> py::object {
              const zeroshard::NvmeStateSwapper* swapper = self.nvme_swapper();
              const zeroshard::NvmeParameterSwapper* params = self.parameter_swapper();
+             const zeroshard::NvmeGradientSwapper* grads = self.gradient_swapper();
              if (swapper == nullptr && params == nullptr) {
                return py::none();
              }
@@ -435,6 +438,17 @@ PYBIND11_MODULE(_C, m) {
                p["reads_on_demand"] = params->reads_on_demand();
                p["io_wait_seconds"] = params->io_wait_seconds();
                out["parameters"] = p;
+             }
+             if (grads != nullptr) {
+               py::dict g;
+               g["directory"] = grads->directory();
+               g["disk_bytes"] = grads->disk_bytes();
+               g["buffer_bytes"] = grads->buffer_bytes();
+               g["peak_buffer_bytes"] = grads->peak_buffer_bytes();
+               g["bytes_read"] = grads->bytes_read();
+               g["bytes_written"] = grads->bytes_written();
+               g["io_wait_seconds"] = grads->io_wait_seconds();
+               out["gradients"] = g;
              }
              return out;
            })

@@ -55,6 +55,7 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
       section["ratio"] = offload.ratio();
       section["pipeline_read"] = offload.pipeline_read();
       section["pipeline_write"] = offload.pipeline_write();
+      section["swap_gradients"] = offload.swap_gradients();
     } else {
       section["buffer_size"] = offload.buffer_size();
       section["max_in_cpu"] = offload.max_in_cpu();

@@ -8,7 +8,8 @@ namespace {
 // clang-format off
 const Keys kOffloadOptimizerKeys = {
     "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-    "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu"};
+    "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu",
+    "swap_gradients"};
 const Keys kOffloadParamKeys = {
     "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"};
 const Keys kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
@@ -37,6 +38,8 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
   if (optimizer) {
     options.pipeline_read(s.boolean("pipeline_read", true));
     options.pipeline_write(s.boolean("pipeline_write", true));
+    // zeroshard's own key: the gradient shard in the swap space too.
+    options.swap_gradients(s.boolean("swap_gradients", false));
     for (const char* flag_key : {"fast_init", "super_offload", "convert_grad_on_cpu"}) {
       s.boolean(flag_key, false);
     }
@@ -50,6 +53,10 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),
                       " is needed with device \"nvme\": a directory on the disk to swap to");
   }
+  TORCH_CHECK_VALUE(!options.swap_gradients() || device == "nvme", s.path("swap_gradients"),
+                    " puts the gradient shard in the NVMe swap space and needs device \"nvme\"; "
+                    "device is \"",
+                    device, "\"");
   if ((device == "cpu" || device == "nvme") && !optimizer && out.zero_stage != 3 &&
       !out.stage_auto) {
     TORCH_CHECK_VALUE(false, s.path("device"), " = \"", device,

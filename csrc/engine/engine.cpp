@@ -144,6 +144,11 @@ Engine::Engine(ZeroOptimizer& optimizer, DeepSpeedConfig config)
     nvme_written_at_last_line_ += params->bytes_written();
     nvme_wait_at_last_line_ += params->io_wait_seconds();
   }
+  if (const NvmeGradientSwapper* grads = optimizer_.gradient_swapper()) {
+    nvme_read_at_last_line_ += grads->bytes_read();
+    nvme_written_at_last_line_ += grads->bytes_written();
+    nvme_wait_at_last_line_ += grads->io_wait_seconds();
+  }
   if (optimizer_.communicator().rank() == 0 && config_.zero_stage == 0) {
     std::printf(
         "[zeroshard] zero_optimization.stage 0 runs as stage 1 (same results; the optimizer "
@@ -274,6 +279,11 @@ void Engine::emit_telemetry() {
     nvme_read += params->bytes_read();
     nvme_written += params->bytes_written();
     nvme_wait += params->io_wait_seconds();
+  }
+  if (const NvmeGradientSwapper* grads = optimizer_.gradient_swapper()) {
+    nvme_read += grads->bytes_read();
+    nvme_written += grads->bytes_written();
+    nvme_wait += grads->io_wait_seconds();
   }
   record.nvme = states != nullptr || params != nullptr;
   if (record.nvme) {

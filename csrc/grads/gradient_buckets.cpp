@@ -235,8 +235,11 @@ void GradientBuckets::complete_oldest() {
   InFlight& entry = in_flight_.front();
   entry.work.wait();
   const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
-  host_receiver_.receive(
-      grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel), entry.output);
+  if (!sink_ || !sink_(entry.group, bucket.shard_offset, entry.output)) {
+    host_receiver_.receive(
+        grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel),
+        entry.output);
+  }
   release_staging(entry.staging);
   in_flight_.pop_front();
 }
@@ -276,6 +279,9 @@ void GradientBuckets::wait_all() {
     complete_oldest();
   }
   host_receiver_.drain();
+  if (sink_drain_) {
+    sink_drain_();
+  }
 }
 
 void GradientBuckets::reset() {

@@ -1,5 +1,7 @@
 #include "zeroshard/offloaded_optimizer_state.h"
 
+#include "zeroshard/mapped_host_memory.h"
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -81,14 +83,32 @@ OffloadedOptimizerState::OffloadedOptimizerState(const StatePlacement& placement
     swapper_ = std::make_unique<NvmeStateSwapper>(placement_.offload_optimizer(), aio, rank,
                                                   std::move(nvme_numels), nvme_states);
   }
+  std::vector<int64_t> swapped_gradients(placement_.num_groups(), 0);
+  bool swaps_gradients = false;
+  for (size_t g = 0; g < placement_.num_groups(); ++g) {
+    if (placement_.swaps_gradients(g)) {
+      for (const SubGroup& where : placement_.sub_groups(g)) {
+        swapped_gradients[g] += where.numel;
+      }
+      swaps_gradients = true;
+    }
+  }
+  if (swaps_gradients) {
+    gradient_swapper_ = std::make_unique<NvmeGradientSwapper>(placement_.offload_optimizer(), aio,
+                                                              rank, std::move(swapped_gradients));
+  }
   const int64_t slots = std::min<int64_t>(2, placement_.host_sub_group_count());
   const int64_t numel = placement_.largest_host_sub_group();
   for (int64_t s = 0; s < slots; ++s) {
-    staging_.push_back(
-        Staging{placement_.stages_gradients()
-                    ? at::empty({numel}, placement_.options(StateTier::kHost, at::kFloat))
-                    : at::Tensor(),
-                at::empty({numel}, placement_.options(StateTier::kHost, param_dtypes_.at(0)))});
+    at::Tensor grad;
+    if (swaps_gradients) {
+      // The swap file's reads go straight into it (the direct path).
+      grad = mapped_host_empty(NvmeGradientSwapper::read_capacity(numel), at::kFloat);
+    } else if (placement_.stages_gradients()) {
+      grad = at::empty({numel}, placement_.options(StateTier::kHost, at::kFloat));
+    }
+    staging_.push_back(Staging{
+        grad, at::empty({numel}, placement_.options(StateTier::kHost, param_dtypes_.at(0)))});
   }
 }
 
@@ -345,12 +365,23 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
       !in_place || (grad_shard.is_cpu() && grad_shard.scalar_type() == at::kFloat &&
                     grad_shard.is_contiguous()),
       "a host gradient shard must be a contiguous fp32 CPU tensor");
+  // A swapped gradient shard is read from disk a sub-group ahead, like a
+  // device shard's copy; the values start `lead` elements into the slot.
+  const bool swapped = placement_.swaps_gradients(g);
+  std::array<IoTicket, 2> grad_read{0, 0};
+  std::array<int64_t, 2> grad_lead{0, 0};
   auto fetch_gradient = [&](size_t i) {
     if (in_place) {
       return;
     }
     const SubGroup& where = sub_groups[host[i]].where;
     Staging& slot = staging(i % slots, param_dtypes_[g]);
+    if (swapped) {
+      grad_read[i % slots] =
+          gradient_swapper_->submit_read(g, where.offset, where.numel, slot.grad.data_ptr<float>());
+      grad_lead[i % slots] = NvmeGradientSwapper::read_lead(where.offset);
+      return;
+    }
     slot.grad.narrow(0, 0, where.numel)
         .copy_(grad_shard.narrow(0, where.offset, where.numel), async);
     grad_ready[i % slots].record(device, async);
@@ -368,12 +399,23 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
   // into the swap buffers: they complete, and their own errors are dropped.
   struct AbandonOnUnwind {
     NvmeStateSwapper* swapper;
+    NvmeGradientSwapper* gradients;
+    std::array<IoTicket, 2>& reads;
     ~AbandonOnUnwind() {
       if (swapper != nullptr) {
         swapper->abandon();
       }
+      for (IoTicket ticket : reads) {
+        try {
+          if (gradients != nullptr) {
+            gradients->wait_read(ticket);
+          }
+        } catch (...) {
+          // The step that raised reports its own failure.
+        }
+      }
     }
-  } unwind{swap_order.empty() ? nullptr : swapper_.get()};
+  } unwind{swap_order.empty() ? nullptr : swapper_.get(), gradient_swapper_.get(), grad_read};
   if (!swap_order.empty()) {
     swapper_->begin(swap_order);
   }
@@ -385,10 +427,15 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
     }
     SwappedIn swapped_in(*this, state, swap_position[i]);
     grad_ready[i % slots].wait();
+    if (swapped) {
+      const IoTicket ticket = grad_read[i % slots];
+      grad_read[i % slots] = 0;
+      gradient_swapper_->wait_read(ticket);
+    }
     params_returned[i % slots].wait();
     const Staging& slot = staging(i % slots, param_dtypes_[g]);
-    const float* grad =
-        in_place ? grad_shard.data_ptr<float>() + state.where.offset : slot.grad.data_ptr<float>();
+    const float* grad = in_place ? grad_shard.data_ptr<float>() + state.where.offset
+                                 : slot.grad.data_ptr<float>() + grad_lead[i % slots];
     for (const UpdateRun& run : per_sub_group[host[i]]) {
       run_host_kernel(state, options, run, slot, grad, static_cast<float>(grad_scale));
     }
@@ -406,6 +453,7 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
     swapper_->finish();
   }
   unwind.swapper = nullptr;
+  unwind.gradients = nullptr;
 }
 
 // An NVMe sub-group's states bound to its swap buffer for its update; on a

@@ -244,6 +244,17 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
+  if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
+    buckets_->set_gradient_sink(
+        [swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
+          if (!swapper->swaps(g)) {
+            return false;
+          }
+          swapper->accumulate(g, offset, reduced);
+          return true;
+        },
+        [swapper] { swapper->flush(); });
+  }
   set_bucket_expectations();
   bool waiting_for_adoption = false;
   for (const auto& group : replacements_) {

@@ -24,11 +24,14 @@ void ZeroOptimizer::clear_gradient_shards() {
   buckets_->wait_all();
   buckets_->reset();
   for (auto& shard : shards_) {
-    if (options_.stage() >= 2) {
+    if (options_.stage() >= 2 && shard.grad_shard.defined()) {
       shard.grad_shard.zero_();
-    } else {
+    } else if (options_.stage() == 1) {
       shard.grad_shard = at::Tensor();
     }
+  }
+  if (offloaded_ && offloaded_->gradient_swapper()) {
+    offloaded_->gradient_swapper()->clear();
   }
   gradients_reduced_ = false;
   grad_shard_scale_ = 1.0;
@@ -221,6 +224,20 @@ void ZeroOptimizer::finish_gradient_reduction() {
   gradients_reduced_ = true;
 }
 
+void ZeroOptimizer::for_each_gradient_chunk(
+    size_t g, int64_t offset, int64_t length,
+    const std::function<void(const at::Tensor&)>& fn) const {
+  NvmeGradientSwapper* swapped = swapped_gradients(g);
+  const at::Tensor& shard = shards_[g].grad_shard;
+  if (!swapped && !shard.defined()) {
+    return;  // stage 1 before its first reduction: no gradient yet
+  }
+  for (int64_t done = 0; done < length; done += kWidenedGradientChunk) {
+    const int64_t numel = std::min(kWidenedGradientChunk, length - done);
+    fn(swapped ? swapped->read(g, offset + done, numel) : shard.narrow(0, offset + done, numel));
+  }
+}
+
 at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
   at::Tensor total_norm = gradient_norm();
@@ -238,19 +255,16 @@ at::Tensor ZeroOptimizer::gradient_norm() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     const GroupShards& shard = shards_[g];
     if (!tensor_parallel_comm_) {
-      const int64_t numel = shard.grad_shard.numel();
-      for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
-        const int64_t length = std::min(kWidenedGradientChunk, numel - done);
-        squares[1].add_(shard.grad_shard.narrow(0, done, length).to(at::kFloat).pow(2).sum());
-      }
+      for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
+        squares[1].add_(chunk.to(at::kFloat).pow(2).sum());
+      });
       continue;
     }
     for (const ShardSegment& segment : shard.segments) {
       const bool split = tensor_parallel_sharded_[g][segment.param_index];
-      squares[split ? 0 : 1].add_(shard.grad_shard.narrow(0, segment.shard_offset, segment.numel)
-                                      .to(at::kFloat)
-                                      .pow(2)
-                                      .sum());
+      for_each_gradient_chunk(g, segment.shard_offset, segment.numel, [&](const at::Tensor& chunk) {
+        squares[split ? 0 : 1].add_(chunk.to(at::kFloat).pow(2).sum());
+      });
     }
   }
   comm_->all_reduce_sum(squares, "grad_norm");
@@ -326,7 +340,8 @@ int64_t ZeroOptimizer::gradient_bytes() const {
 }
 
 int64_t ZeroOptimizer::host_gradient_bytes() const {
-  return gradient_shard_bytes(/*on_host=*/true);
+  const NvmeGradientSwapper* swapper = gradient_swapper();
+  return gradient_shard_bytes(/*on_host=*/true) + (swapper ? swapper->buffer_bytes() : 0);
 }
 
 void ZeroOptimizer::set_loss_scale(double scale) {
@@ -344,8 +359,10 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflo
   at::Tensor flags = at::zeros({total + 1}, at::kInt);
   if (options_.skip_nonfinite_steps()) {
     bool finite = true;
-    for (const auto& shard : shards_) {
-      finite = finite && at::isfinite(shard.grad_shard).all().item<bool>();
+    for (size_t g = 0; g < shards_.size(); ++g) {
+      for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
+        finite = finite && at::isfinite(chunk).all().item<bool>();
+      });
     }
     flags[total] = finite ? 0 : 1;
   }

@@ -73,11 +73,22 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
     return;
   }
   for (size_t g = 0; g < shards_.size(); ++g) {
+    const std::string tag = "replicas/group" + std::to_string(g) + "/grad_shard";
+    if (NvmeGradientSwapper* swapped = swapped_gradients(g)) {
+      // From the swap file and back, a chunk at a time, through the device.
+      const int64_t numel = swapped->numel(g);
+      for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
+        const int64_t length = std::min(kWidenedGradientChunk, numel - done);
+        at::Tensor sum = swapped->read(g, done, length).to(device_);
+        replica_comm_->all_reduce_sum(sum, tag);
+        swapped->write(g, done, sum.cpu());
+      }
+      continue;
+    }
     at::Tensor& shard = shards_[g].grad_shard;
     if (!shard.defined() || shard.numel() == 0) {
       continue;  // every replica has the same layout, so all skip alike
     }
-    const std::string tag = "replicas/group" + std::to_string(g) + "/grad_shard";
     if (shard.device() == device_) {
       replica_comm_->all_reduce_sum(shard, tag);
       continue;

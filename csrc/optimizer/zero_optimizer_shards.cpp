@@ -54,7 +54,7 @@ void ZeroOptimizer::build_group_shards() {
                                            bucket.shard_numel));
       }
     }
-    if (options_.stage() >= 2) {
+    if (options_.stage() >= 2 && !swapped_gradients(g)) {
       // Stage 2 accumulates into the shard across backward passes; stage 1
       // allocates it only while a step runs.
       shard.grad_shard = at::zeros({layout.shard_numel()}, grad_shard_options(g));
@@ -88,7 +88,9 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
                                       c10::typeMetaToScalarType(shard.param_options.dtype()),
                                       /*for_parameters=*/true));
   }
-  shard.grad_shard = at::zeros({layout.shard_numel()}, grad_shard_options(g));
+  if (!swapped_gradients(g)) {
+    shard.grad_shard = at::zeros({layout.shard_numel()}, grad_shard_options(g));
+  }
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {
     const Bucket& bucket = layout.buckets()[b];

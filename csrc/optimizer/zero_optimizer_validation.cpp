@@ -66,6 +66,22 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                     "DeepSpeed); this optimizer has stage ",
                     options.stage(),
                     ". Use offload_optimizer to offload the optimizer state at stages 1 and 2");
+  if (options.offload_optimizer().swap_gradients()) {
+    const OffloadOptions& offload = options.offload_optimizer();
+    TORCH_CHECK_VALUE(offload.device() == OffloadDevice::kNVMe,
+                      "offload_optimizer.swap_gradients puts the gradient shard in the NVMe swap "
+                      "space and needs offload_optimizer.device = 'nvme'; it is '",
+                      offload_device_name(offload.device()), "'");
+    TORCH_CHECK_VALUE(options.stage() >= 2,
+                      "offload_optimizer.swap_gradients needs ZeRO stage 2 or 3: stage 1 keeps "
+                      "every full gradient in .grad, so swapping its 1/N shard saves nothing; "
+                      "this optimizer has stage ",
+                      options.stage());
+    TORCH_CHECK_VALUE(offload.ratio() == 1.0,
+                      "offload_optimizer.swap_gradients needs ratio 1 (every sub-group on NVMe): "
+                      "sub-groups updated on the device read the gradient shard there; ratio is ",
+                      offload.ratio());
+  }
   TORCH_CHECK_VALUE(options.offload_param().ratio() == 1.0,
                     "offload_param has no ratio (DeepSpeed's ratio is an offload_optimizer key)");
   TORCH_CHECK_VALUE(

@@ -50,7 +50,10 @@ class OptimizerMeasurements:
         ``host_shard_bytes`` (shards kept in host memory: ``max_in_cpu`` and
         persistent ones), ``ahead_bytes`` / ``peak_ahead_bytes`` (read-ahead
         buffers now / at most), ``reads_ahead`` (reads the read-ahead served)
-        and ``reads_on_demand`` (reads that waited for the disk)."""
+        and ``reads_on_demand`` (reads that waited for the disk). With
+        ``offload_optimizer.swap_gradients``, under ``"gradients"``:
+        ``directory``, ``disk_bytes``, ``buffer_bytes`` / ``peak_buffer_bytes``
+        (gradient blocks in host memory now / at most) and the I/O keys."""
         return self._impl.nvme_stats()
 
     def optimizer_state_bytes(self) -> int:

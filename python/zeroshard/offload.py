@@ -20,6 +20,7 @@ _OPTIMIZER_KEYS = {
     "pipeline_read",
     "pipeline_write",
     "fast_init",
+    "swap_gradients",
 }
 _PARAM_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"}
 _IGNORED = {"fast_init"}  # DeepSpeed's NVMe initialization shortcut
@@ -64,7 +65,7 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
             continue
         if key == "device":
             out[key] = "none" if item is None else str(item)
-        elif key in ("pin_memory", "pipeline_read", "pipeline_write"):
+        elif key in ("pin_memory", "pipeline_read", "pipeline_write", "swap_gradients"):
             out[key] = bool(item)
         elif key == "ratio":
             out[key] = float(item)

@@ -632,6 +632,20 @@ TEST(DeepSpeedConfigTest, NvmeOptimizerOffloadAndTheAioSectionAreRead) {
   EXPECT_ERROR_HAS(ParseError(Config({{"aio", {{"block_size", 1000}}}})),
                    "aio.block_size must be an integer >= 4096");
   EXPECT_ERROR_HAS(ParseError(Config({{"aio", {{"queue_dept", 4}}}})), "queue_depth");
+  EXPECT_FALSE(offload.swap_gradients()) << "gradient shards stay in RAM unless asked";
+  const auto swapping = parse_deepspeed_config(
+      Config({{"zero_optimization",
+               {{"stage", 3},
+                {"offload_optimizer",
+                 {{"device", "nvme"}, {"nvme_path", "/local_nvme"}, {"swap_gradients", true}}}}}}),
+      1);
+  EXPECT_TRUE(swapping.zero.offload_optimizer().swap_gradients());
+  EXPECT_ERROR_HAS(
+      ParseError(
+          Config({{"zero_optimization",
+                   {{"offload_optimizer", {{"device", "cpu"}, {"swap_gradients", true}}}}}})),
+      "zero_optimization.offload_optimizer.swap_gradients puts the gradient shard in the NVMe "
+      "swap space and needs device \"nvme\"");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from typing import Any
 
 import pytest
@@ -81,7 +82,19 @@ def _make(model: nn.Module, stage: int, groups: dict[str, Any], **extra: Any) ->
     )
 
 
-_EXTRA = {"offload": {"offload_optimizer": "cpu", "sub_group_size": 100}}
+_EXTRA = {
+    "offload": {"offload_optimizer": "cpu", "sub_group_size": 100},
+    # The gradient shard in the NVMe swap space: the replica all-reduce reads
+    # it from disk and writes the sum back.
+    "nvme_swap": {
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": tempfile.gettempdir(),
+            "swap_gradients": True,
+        },
+        "sub_group_size": 100,
+    },
+}
 
 
 def _train(rank: int, world_size: int, stage: int, how: str) -> dict[str, Any]:
@@ -137,7 +150,15 @@ def trained(stage: int, how: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("stage", "how"), [(1, "groups"), (2, "mesh"), (3, "mesh"), (3, "groups"), (2, "mesh+offload")]
+    ("stage", "how"),
+    [
+        (1, "groups"),
+        (2, "mesh"),
+        (3, "mesh"),
+        (3, "groups"),
+        (2, "mesh+offload"),
+        (3, "mesh+nvme_swap"),
+    ],
 )
 def test_hybrid_sharding_matches_torch_optim(stage: int, how: str) -> None:
     results = trained(stage, how)

@@ -235,7 +235,9 @@ def _train_once(model: nn.Module, optimizer: Any, width: int) -> None:
     optimizer.step()
 
 
-def _state_rss(rank: int, world_size: int, path: str, width: int) -> dict[str, int]:
+def _state_rss(
+    rank: int, world_size: int, path: str, width: int, swap_gradients: bool = False
+) -> dict[str, int]:
     """What constructing the optimizer and two steps add to this process's RSS."""
 
     def build(width: int) -> tuple[nn.Module, Any]:
@@ -244,7 +246,9 @@ def _state_rss(rank: int, world_size: int, path: str, width: int) -> dict[str, i
         kwargs: dict[str, Any] = {}
         if path:
             kwargs = {
-                "offload_optimizer": _nvme(Path(path), buffer_count=RSS_BUFFERS),
+                "offload_optimizer": _nvme(
+                    Path(path), buffer_count=RSS_BUFFERS, swap_gradients=swap_gradients
+                ),
                 "sub_group_size": RSS_SUB_GROUP,
             }
         return model, zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=2, **kwargs)

@@ -87,6 +87,7 @@ def _train(
         "params": params,
         "device_bytes": optimizer.device_model_state_bytes(),
         "host_bytes": optimizer.host_model_state_bytes(),
+        "host_gradient_bytes": optimizer.host_gradient_bytes(),
         "nvme_stats": optimizer.nvme_stats(),
     }
 

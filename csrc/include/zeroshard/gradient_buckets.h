@@ -79,6 +79,16 @@ class GradientBuckets {
   // (host shards included).
   void wait_all();
 
+  // Reduced slices of the groups `accept` takes go to it instead of their
+  // shard: accept(g, shard offset, reduced slice) returns whether it took
+  // the slice; `drain` runs when wait_all() has waited for every bucket (the
+  // NVMe gradient swap: see nvme_gradient_swapper.h).
+  using GradientSink = std::function<bool(size_t group, int64_t offset, const at::Tensor& reduced)>;
+  void set_gradient_sink(GradientSink accept, std::function<void()> drain) {
+    sink_ = std::move(accept);
+    sink_drain_ = std::move(drain);
+  }
+
   // Starts a new accumulation window: forgets which parameters reported.
   // Call only with nothing in flight and no round open.
   void reset();
@@ -134,6 +144,8 @@ class GradientBuckets {
   HostShardReceiver host_receiver_;  // slices bound for host gradient shards
   std::vector<at::TensorOptions> grad_options_;
   GradShardOf grad_shard_of_;
+  GradientSink sink_;
+  std::function<void()> sink_drain_;
   BucketComplete on_complete_;
   size_t max_in_flight_;
   bool launch_eagerly_;

@@ -41,6 +41,13 @@ struct OffloadOptions {
   // pipeline] in nvme_state_swapper.h). On by default, unlike DeepSpeed.
   TORCH_ARG(bool, pipeline_read) = true;
   TORCH_ARG(bool, pipeline_write) = true;
+  // offload_optimizer on NVMe, stages 2 and 3, every sub-group offloaded:
+  // the gradient shard goes to the swap file as it is reduced, and host
+  // memory holds a few 4 MiB blocks of it instead of the whole shard (see
+  // nvme_gradient_swapper.h). Costs 4 bytes a shard element of disk, and a
+  // write and a read of them a step. Off by default: pick it where host
+  // memory binds before the disk does.
+  TORCH_ARG(bool, swap_gradients) = false;
 
  public:
   bool enabled() const { return device_ != OffloadDevice::kNone; }

@@ -27,6 +27,7 @@
 #pragma once
 
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/nvme_state_swapper.h"
 #include "zeroshard/state_placement.h"
 
@@ -94,6 +95,10 @@ class OffloadedOptimizerState {
   int64_t bytes(StateTier tier) const;
   // The NVMe tier's swapper (telemetry), or null.
   const NvmeStateSwapper* nvme() const { return swapper_.get(); }
+  // The gradient shards of groups StatePlacement::swaps_gradients, or null:
+  // the buckets write into it, the step reads from it (see
+  // nvme_gradient_swapper.h).
+  NvmeGradientSwapper* gradient_swapper() const { return gradient_swapper_.get(); }
 
  private:
   struct SubGroupState {
@@ -104,7 +109,9 @@ class OffloadedOptimizerState {
     size_t swap_index = 0;  // NVMe: the sub-group's index in the swapper
   };
   struct Staging {
-    at::Tensor grad;    // fp32; only where a group's gradient shard is on the device
+    // fp32; only where a group's gradient shard is not read in place (page
+    // aligned, with the swap reads' margin, when gradients are swapped).
+    at::Tensor grad;
     at::Tensor params;  // the group's parameter dtype
   };
 
@@ -147,6 +154,7 @@ class OffloadedOptimizerState {
   std::vector<std::vector<SubGroupState>> groups_;
   std::vector<Staging> staging_;  // two slots, or one with a single host sub-group
   std::unique_ptr<NvmeStateSwapper> swapper_;
+  std::unique_ptr<NvmeGradientSwapper> gradient_swapper_;
   std::vector<size_t> first_swap_index_;  // per group: its first NVMe sub-group's swap index
 };
 

@@ -70,6 +70,12 @@ class StatePlacement {
   bool reads_gradient_in_place(size_t group) const {
     return gradient_shard_on_host(group) && offload_tier_ == StateTier::kHost;
   }
+  // Whether group `group`'s gradient shard lives in the NVMe gradient swap
+  // file instead (offload_optimizer.swap_gradients): not allocated in memory.
+  bool swaps_gradients(size_t group) const {
+    return offload_optimizer_.swap_gradients() && gradient_shard_on_host(group) &&
+           offload_tier_ == StateTier::kNVMe;
+  }
   // Whether some offloaded sub-group's gradient is not read in place, so the
   // step needs fp32 staging for gradients.
   bool stages_gradients() const;

@@ -35,6 +35,7 @@
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -196,6 +197,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   const StatePlacement& placement() const { return *placement_; }
   // With offload_optimizer on NVMe: the swap space's telemetry; else null.
   const NvmeStateSwapper* nvme_swapper() const { return offloaded_ ? offloaded_->nvme() : nullptr; }
+  // With offload_optimizer.swap_gradients: the gradient swap space; else null.
+  const NvmeGradientSwapper* gradient_swapper() const {
+    return offloaded_ ? offloaded_->gradient_swapper() : nullptr;
+  }
   // With offload_param on NVMe (stage 3): the parameter swap space; else null.
   const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
 
@@ -307,6 +312,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     at::Tensor param_shard;
     // 1D, shard_numel, grad_shard_options(g): grad_options, or in host
     // memory (fp32 with 'cpu' offload) when the placement says so.
+    // Undefined where the gradient shard is swapped to NVMe
+    // (swapped_gradients(g)).
     at::Tensor grad_shard;
     // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
     // master values are this rank's slices of flat_param itself. See
@@ -449,6 +456,17 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   }
   // Bytes of the gradient shards held on the host (on_host) or the device.
   int64_t gradient_shard_bytes(bool on_host) const;
+  // Group g's gradient shard's swap space (offload_optimizer.swap_gradients),
+  // or null where the shard is a tensor.
+  NvmeGradientSwapper* swapped_gradients(size_t g) const {
+    NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr;
+    return swapper != nullptr && swapper->swaps(g) ? swapper : nullptr;
+  }
+  // Calls fn on [offset, offset + length) of group g's gradient shard, at most
+  // kWidenedGradientChunk elements at a time: views of the shard, or fp32
+  // copies read from its swap space.
+  void for_each_gradient_chunk(size_t g, int64_t offset, int64_t length,
+                               const std::function<void(const at::Tensor&)>& fn) const;
 
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
