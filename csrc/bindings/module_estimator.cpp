@@ -63,7 +63,7 @@ void bind_estimator(py::module_& m) {
          double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
          int64_t pipeline_parallel_size, double activation_bytes, double reduce_bucket_size,
          int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device,
-         double max_live_parameters, bool reduce_in_fp32) {
+         double max_live_parameters, bool reduce_in_fp32, bool swap_gradients) {
         return estimate_dict(zeroshard::estimate_memory(
             stage, estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                     precision, optimizer, offload_optimizer, offload_param,
@@ -77,7 +77,8 @@ void bind_estimator(py::module_& m) {
                        .prefetch_bucket_size(prefetch_bucket_size)
                        .host_device(host_device)
                        .max_live_parameters(max_live_parameters)
-                       .reduce_in_fp32(reduce_in_fp32)));
+                       .reduce_in_fp32(reduce_in_fp32)
+                       .swap_gradients(swap_gradients)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
@@ -88,7 +89,7 @@ void bind_estimator(py::module_& m) {
       py::arg("activation_bytes") = 0.0, py::arg("reduce_bucket_size") = 5e6,
       py::arg("max_buckets_in_flight") = 2, py::arg("prefetch_bucket_size") = 5e7,
       py::arg("host_device") = false, py::arg("max_live_parameters") = 1e9,
-      py::arg("reduce_in_fp32") = false);
+      py::arg("reduce_in_fp32") = false, py::arg("swap_gradients") = false);
   m.def(
       "estimate_activation_bytes",
       [](int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t sequence_length,

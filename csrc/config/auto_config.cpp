@@ -50,6 +50,7 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
           .offload_ratio(optimizer_offload.ratio())
           .sub_group_size(static_cast<double>(config.zero.sub_group_size()))
           .nvme_buffer_count(optimizer_offload.buffer_count())
+          .swap_gradients(optimizer_offload.swap_gradients())
           .param_max_in_cpu(static_cast<double>(param_offload.max_in_cpu()))
           .param_buffer_count(param_offload.buffer_count())
           .reduce_bucket_size(static_cast<double>(config.zero.reduce_bucket_size()))

@@ -1,5 +1,6 @@
 #include "zeroshard/memory_estimator.h"
 
+#include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/widened_gradient_chunk.h"
 
 #include <c10/util/Exception.h>
@@ -225,14 +226,30 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const bool nvme = options.offload_optimizer() == OffloadDevice::kNVMe;
     const bool grads_on_host = on_device == 0 && host_groups > 0;
     const bool in_place = grads_on_host && !nvme;
+    const double nvme_buffer_count =
+        static_cast<double>(std::max<int64_t>(1, options.nvme_buffer_count()));
+    // Where ZeroOptimizer would swap them (NVMe, stages 2-3, every sub-group
+    // offloaded); ignored elsewhere, as parameter offload is below stage 3.
+    const bool swapped = options.swap_gradients() && nvme && stage >= 2 && grads_on_host;
+    // Swapped gradients are read into staging with an aligned margin on each
+    // side (NvmeGradientSwapper::read_capacity).
+    const double margin = swapped ? NvmeGradientSwapper::read_capacity(0) * 4 : 0.0;
     const double staging =
-        std::min(2.0, host_groups) * largest_host * ((in_place ? 0 : 4) + per.param);
+        std::min(2.0, host_groups) * (largest_host * ((in_place ? 0 : 4) + per.param) + margin);
     estimate.optimizer_bytes = per_element * device_elements;
     const double ranks = static_cast<double>(options.ranks_per_node());
     // Stage 1's shard is a transient of step() (or lives from backward to
     // step() with stage1_reduce_in_backward): not counted, as on the device
     // without offload.
-    if (grads_on_host && stage >= 2) {
+    if (swapped) {
+      // NvmeGradientSwapper: the fp32 shard on disk; between steps its pool
+      // keeps at most buffer_count blocks (rounding to 4 KiB ignored).
+      const auto block = static_cast<double>(kGradientSwapBlockElements);
+      estimate.grad_bytes = 0;
+      estimate.nvme_bytes_per_node += 4 * shard * ranks;
+      estimate.cpu_bytes_per_node += std::min(nvme_buffer_count, std::ceil(shard / block)) *
+                                     std::min(block, shard) * 4 * ranks;
+    } else if (grads_on_host && stage >= 2) {
       estimate.grad_bytes = 0;
       estimate.cpu_bytes_per_node += (in_place ? 4 : reduced) * shard * ranks;
       if (!options.host_device()) {
@@ -244,10 +261,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     if (nvme) {
       // NvmeStateSwapper: the state on disk, buffer_count sub-groups of it in
       // host buffers (slots rounded up to 4 KiB there and on disk: ignored).
-      const double buffers =
-          std::min(static_cast<double>(std::max<int64_t>(1, options.nvme_buffer_count())),
-                   host_groups) *
-          largest_host * per_element;
+      const double buffers = std::min(nvme_buffer_count, host_groups) * largest_host * per_element;
       estimate.nvme_bytes_per_node += per_element * host_elements * ranks;
       estimate.cpu_bytes_per_node += (buffers + staging) * ranks;
     } else {

@@ -137,6 +137,7 @@ def estimate(
     host_device: bool = False,
     max_live_parameters: float = 1e9,
     reduce_in_fp32: bool = False,
+    swap_gradients: bool = False,
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -170,7 +171,10 @@ def estimate(
     sub-group's with partial offload). The bucket arguments are ``ZeroOptimizer``'s
     (``max_live_parameters`` is its ``stage3_max_live_parameters``). With
     ``reduce_in_fp32`` (mixed16 only) the buckets and the gradient shard are
-    fp32.
+    fp32. ``swap_gradients`` (``offload_optimizer.swap_gradients``; applies
+    with NVMe optimizer offload at stages 2-3 and ``offload_ratio`` 1) moves
+    the gradient shard to ``nvme_bytes_per_node`` in fp32, leaving
+    ``nvme_buffer_count`` 4 MiB blocks of it in ``cpu_bytes_per_node``.
     """
     if model is not None:
         counted, largest = count_model(model)
@@ -209,6 +213,7 @@ def estimate(
                 bool(host_device),
                 float(max_live_parameters),
                 bool(reduce_in_fp32),
+                bool(swap_gradients),
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

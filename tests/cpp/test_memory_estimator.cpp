@@ -205,6 +205,26 @@ TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   auto in_cpu = estimate_memory(3, nvme_options);
   EXPECT_DOUBLE_EQ(in_cpu.nvme_bytes_per_node, 12e9);
   EXPECT_DOUBLE_EQ(in_cpu.cpu_bytes_per_node - states_only.cpu_bytes_per_node, 2e9);
+  // swap_gradients: the bf16 host shard (2 bytes x 1.25e8 per rank) leaves
+  // RAM for the disk in fp32 (4 bytes); buffer_count (4) blocks of 2^20 fp32
+  // elements stay, and each staging slot gains its 2 x 1024-element margin;
+  // no pinned slices (the swap copies each reduced slice to the host itself).
+  const auto swapped =
+      estimate_memory(3, EstimateOptions(nvme_options).param_max_in_cpu(0).swap_gradients(true));
+  EXPECT_DOUBLE_EQ(swapped.nvme_bytes_per_node, 14e9 + 4e9);
+  EXPECT_DOUBLE_EQ(swapped.cpu_bytes_per_node - nvme.cpu_bytes_per_node,
+                   (-2 * 1.25e8 - 2 * 1e7 / 8 * 2 + 4 * 4 * 1048576.0 + 2048 * 4) * 8);
+  EXPECT_EQ(swapped.device_bytes, nvme.device_bytes);
+  // Where ZeroOptimizer would not swap (stage 1, CPU offload) it changes nothing.
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(
+          1, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone).swap_gradients(true))
+          .cpu_bytes_per_node,
+      estimate_memory(1, EstimateOptions(nvme_options).offload_param(OffloadDevice::kNone))
+          .cpu_bytes_per_node);
+  EXPECT_DOUBLE_EQ(
+      estimate_memory(2, EstimateOptions(options).swap_gradients(true)).cpu_bytes_per_node,
+      e.cpu_bytes_per_node);
   EXPECT_THROW(estimate_memory(2, EstimateOptions(options).offload_param(OffloadDevice::kCPU)),
                c10::ValueError);
 }

@@ -133,13 +133,16 @@ def _gradient_host_bytes(rank: int, world_size: int, path: str) -> list[dict[str
             optimizer.zero_grad()
             model(torch.randn(4, width)).pow(2).mean().backward()
             optimizer.step()
-        grads = optimizer.nvme_stats()["gradients"]
+        stats = optimizer.nvme_stats()
+        grads = stats["gradients"]
         out.append(
             {
                 "params": sum(p.numel() for p in model.parameters()),
                 "host_gradient_bytes": optimizer.host_gradient_bytes(),
                 "peak": grads["peak_buffer_bytes"],
                 "disk": grads["disk_bytes"],
+                "host": optimizer.host_model_state_bytes(),
+                "all_disk": stats["disk_bytes"] + grads["disk_bytes"],
             }
         )
         del optimizer
@@ -159,6 +162,26 @@ def test_gradient_blocks_in_host_memory_do_not_grow_with_the_model(tmp_path: Pat
             # (32 MiB) shard.
             assert row["host_gradient_bytes"] <= 2 * block
             assert row["peak"] <= 4 * block
+            # The estimator predicts host memory and disk (4 KiB rounding of
+            # each slot and region aside).
+            estimate = zeroshard.estimate(
+                row["params"],
+                world_size=2,
+                precision="fp32",
+                stages=(2,),
+                offload_optimizer="nvme",
+                sub_group_size=1 << 20,
+                nvme_buffer_count=2,
+                reduce_bucket_size=1 << 20,
+                host_device=True,
+                swap_gradients=True,
+            )[0]
+            for measured, estimated in (
+                (row["host"], estimate["cpu_bytes_per_node"]),
+                (row["all_disk"], estimate["nvme_bytes_per_node"]),
+            ):
+                print(f"measured {measured} B, estimated {estimated:.0f} B")
+                assert abs(measured - estimated) / estimated <= 0.01
 
 
 def test_rss_falls_by_the_gradient_shard(tmp_path: Path) -> None:

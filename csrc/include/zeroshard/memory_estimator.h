@@ -51,6 +51,11 @@ struct EstimateOptions {
   // NVMe optimizer offload: host buffers, each one sub-group's master and
   // moments (offload_optimizer.buffer_count).
   TORCH_ARG(int64_t, nvme_buffer_count) = 4;
+  // offload_optimizer.swap_gradients (applies with NVMe optimizer offload at
+  // stages 2-3 and offload_ratio 1, ignored elsewhere): the fp32 gradient
+  // shard on disk; host memory keeps buffer_count blocks of it
+  // (nvme_gradient_swapper.h) instead of the shard.
+  TORCH_ARG(bool, swap_gradients) = false;
   // NVMe parameter offload (nvme_parameter_swapper.h): shard elements kept
   // in host memory (offload_param.max_in_cpu) and buckets read ahead, each
   // at most the largest unit's shard (offload_param.buffer_count).
@@ -111,8 +116,10 @@ struct MemoryEstimate {
   // 'cpu', the reduced dtype for 'nvme'; grad_bytes is then 0) and, without
   // host_device, the pinned slices of the reductions in flight. For NVMe
   // optimizer offload: the staging buffers and buffer_count sub-groups'
-  // master and moments. For NVMe parameter offload: the max_in_cpu elements'
-  // shards and the read-ahead buffers.
+  // master and moments; with swap_gradients, buffer_count 4 MiB gradient
+  // blocks instead of the gradient shard, and the shard in fp32 on NVMe.
+  // For NVMe parameter offload: the max_in_cpu elements' shards and the
+  // read-ahead buffers.
   double cpu_bytes_per_node = 0;
   double nvme_bytes_per_node = 0;  // offloaded to NVMe, all ranks of a node
 };
