@@ -64,6 +64,17 @@ def _stage3_without_module() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], stage=3)
 
 
+def _model_of_a_destroyed_stage3_optimizer() -> None:
+    # The first optimizer leaves the 64x64 weight partitioned (released: its
+    # storage emptied) when it goes; reading it again used to crash.
+    model = nn.Sequential(nn.Linear(64, 64))
+    first = zeroshard.ZeroOptimizer(
+        model.parameters(), stage=3, module=model, stage3_param_persistence_threshold=0
+    )
+    del first
+    zeroshard.ZeroOptimizer(model.parameters(), stage=3, module=model)
+
+
 def _unknown_optimizer() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], optimizer="adamax")
 
@@ -132,6 +143,11 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str | dict[int, str]]] = {
         "only stage 3 materializes meta parameters",
     ),
     "stage3_without_module": (_stage3_without_module, "ValueError", "stage 3 needs module="),
+    "model_of_a_destroyed_stage3_optimizer": (
+        _model_of_a_destroyed_stage3_optimizer,
+        "ValueError",
+        "still partitioned by a stage 3 ZeroOptimizer that was destroyed",
+    ),
     "unknown_optimizer": (_unknown_optimizer, "ValueError", "unknown optimizer 'adamax'"),
     "unknown_hyperparameter": (_unknown_hyperparameter, "TypeError", "['betas']"),
     "negative_lr": (_negative_learning_rate, "ValueError", "Invalid learning rate: -0.001"),
