@@ -1,6 +1,7 @@
 #include "zeroshard/memory_estimator.h"
 
 #include "zeroshard/nvme_gradient_swapper.h"
+#include "zeroshard/state_placement.h"
 #include "zeroshard/widened_gradient_chunk.h"
 
 #include <c10/util/Exception.h>
@@ -210,7 +211,8 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double sub = options.sub_group_size();
     // Sub-groups are full-sized but the last; the first (1 - ratio) stay.
     const double sub_groups = std::ceil(shard / sub);
-    const double on_device = std::floor((1 - options.offload_ratio()) * sub_groups + 1e-9);
+    const auto on_device = static_cast<double>(StatePlacement::device_sub_group_count(
+        static_cast<int64_t>(sub_groups), options.offload_ratio()));
     const double device_elements = std::min(shard, on_device * sub);
     const double host_elements = shard - device_elements;
     const double host_groups = sub_groups - on_device;

@@ -40,9 +40,7 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
   }
   offload_tier_ =
       offload_optimizer_.device() == OffloadDevice::kNVMe ? StateTier::kNVMe : StateTier::kHost;
-  // The first (1 - ratio) of the sub-groups stay on the device.
-  const auto on_device =
-      static_cast<int64_t>(std::floor((1.0 - offload_optimizer_.ratio()) * total + 1e-9));
+  const int64_t on_device = device_sub_group_count(total, offload_optimizer_.ratio());
   int64_t index = 0;
   for (auto& group : sub_groups_) {
     for (auto& sub_group : group) {
@@ -53,6 +51,10 @@ StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t
       }
     }
   }
+}
+
+int64_t StatePlacement::device_sub_group_count(int64_t total, double ratio) {
+  return static_cast<int64_t>(std::floor((1.0 - ratio) * static_cast<double>(total) + 1e-9));
 }
 
 bool StatePlacement::gradient_shard_on_host(size_t group) const {

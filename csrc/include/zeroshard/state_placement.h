@@ -43,6 +43,11 @@ class StatePlacement {
                  const OffloadOptions& offload_optimizer, const OffloadOptions& offload_param,
                  c10::Device device);
 
+  // Of `total` sub-groups in group order, how many stay on the device with
+  // offload_optimizer.ratio `ratio`: the first (1 - ratio) of them, rounded
+  // down. The one formula, also the memory estimator's.
+  static int64_t device_sub_group_count(int64_t total, double ratio);
+
   bool offloads_optimizer() const { return offload_optimizer_.enabled(); }
   const OffloadOptions& offload_optimizer() const { return offload_optimizer_; }
   bool offloads_parameters() const { return offload_param_.enabled(); }
