@@ -101,6 +101,22 @@ void NvmeGradientSwapper::check_range(size_t g, int64_t offset, int64_t length) 
                         ") is outside the swapped gradient shard of group ", g);
 }
 
+template <typename F>
+bool NvmeGradientSwapper::keep_failure(F&& io) {
+  if (!failure_.empty()) {
+    return false;
+  }
+  try {
+    io();
+    return true;
+  } catch (const c10::Error& e) {
+    failure_ = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+  }
+  return false;
+}
+
 void NvmeGradientSwapper::wait(IoTicket ticket) {
   if (ticket == 0) {
     return;
@@ -149,6 +165,11 @@ void NvmeGradientSwapper::write_block(const BlockId& id, HeldBlock block) {
 void NvmeGradientSwapper::accumulate(size_t g, int64_t offset, const at::Tensor& values) {
   const int64_t length = values.numel();
   check_range(g, offset, length);
+  keep_failure([&] { accumulate_now(g, offset, values); });
+}
+
+void NvmeGradientSwapper::accumulate_now(size_t g, int64_t offset, const at::Tensor& values) {
+  const int64_t length = values.numel();
   at::Tensor source = values.reshape({-1});
   if (!source.is_cpu()) {
     source = source.to(at::kCPU);
@@ -186,14 +207,22 @@ void NvmeGradientSwapper::accumulate(size_t g, int64_t offset, const at::Tensor&
 }
 
 void NvmeGradientSwapper::flush() {
-  while (!held_.empty()) {
-    auto it = held_.begin();
-    const BlockId id = it->first;
-    HeldBlock block = std::move(it->second);
-    held_.erase(it);
-    write_block(id, std::move(block));
+  keep_failure([&] {
+    while (!held_.empty()) {
+      auto it = held_.begin();
+      const BlockId id = it->first;
+      HeldBlock block = std::move(it->second);
+      held_.erase(it);
+      write_block(id, std::move(block));
+    }
+    wait_writes();
+  });
+  // After a failure what is held or in flight is lost either way.
+  for (auto& [id, block] : held_) {
+    pool_.push_back(std::move(block.values));
   }
-  wait_writes();
+  held_.clear();
+  drain_quietly();
   // What a round needs again next round; more would only sit in RSS.
   pool_.resize(std::min<size_t>(pool_.size(), static_cast<size_t>(offload_.buffer_count())));
 }
@@ -203,9 +232,26 @@ void NvmeGradientSwapper::clear() {
     pool_.push_back(std::move(block.values));
   }
   held_.clear();
-  wait_writes();
+  drain_quietly();  // the contents are being forgotten, failures with them
   for (auto& blocks : on_disk_) {
     std::fill(blocks.begin(), blocks.end(), false);
+  }
+  failure_.clear();
+}
+
+void NvmeGradientSwapper::drain_quietly() noexcept {
+  // Every write is waited for, failed or not: its buffer is reused next.
+  while (!draining_.empty()) {
+    Draining oldest = std::move(draining_.front());
+    draining_.pop_front();
+    try {
+      wait(oldest.ticket);
+    } catch (const c10::Error& e) {
+      failure_ = failure_.empty() ? e.what_without_backtrace() : failure_;
+    } catch (const std::exception& e) {
+      failure_ = failure_.empty() ? e.what() : failure_;
+    }
+    pool_.push_back(std::move(oldest.values));
   }
 }
 
@@ -218,6 +264,10 @@ IoTicket NvmeGradientSwapper::submit_read(size_t g, int64_t offset, int64_t leng
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(buffer) % kAlignment == 0,
                         "gradient swap reads need a page-aligned buffer");
   flush();
+  // The step reads through here and raises on every rank itself; a failure
+  // kept from backward means the gradient is incomplete.
+  TORCH_CHECK(failure_.empty(),
+              "the gradient shard in the NVMe swap space is incomplete: ", failure_);
   // The aligned bytes around the range, so every piece takes the direct path.
   const int64_t begin = (offset - read_lead(offset)) * 4;
   const int64_t end = round_up((offset + length) * 4, kAlignment);
@@ -239,8 +289,11 @@ IoTicket NvmeGradientSwapper::submit_read(size_t g, int64_t offset, int64_t leng
 void NvmeGradientSwapper::wait_read(IoTicket ticket) { wait(ticket); }
 
 at::Tensor NvmeGradientSwapper::read(size_t g, int64_t offset, int64_t length) {
+  check_range(g, offset, length);
   at::Tensor buffer = mapped_host_empty(read_capacity(length), at::kFloat);
-  wait_read(submit_read(g, offset, length, buffer.data_ptr<float>()));
+  if (!keep_failure([&] { wait_read(submit_read(g, offset, length, buffer.data_ptr<float>())); })) {
+    buffer.zero_();
+  }
   return buffer.narrow(0, read_lead(offset), length);
 }
 
@@ -248,6 +301,11 @@ void NvmeGradientSwapper::write(size_t g, int64_t offset, const at::Tensor& valu
   const int64_t length = values.numel();
   check_range(g, offset, length);
   flush();
+  keep_failure([&] { write_now(g, offset, values); });
+}
+
+void NvmeGradientSwapper::write_now(size_t g, int64_t offset, const at::Tensor& values) {
+  const int64_t length = values.numel();
   at::Tensor source = values.reshape({-1});
   for (int64_t done = 0; done < length;) {
     const int64_t position = offset + done;

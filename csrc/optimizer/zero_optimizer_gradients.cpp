@@ -207,6 +207,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
                     /*force_round=*/true);
   }
   buckets_->wait_all();
+  raise_gradient_swap_failure("reduce the gradients");
   reduce_gradient_shards_across_replicas();
   // Gloo has no AVG: sum, then divide; and undo the loss scale. With offload
   // the host kernel applies the factor in its one pass over the gradient.
@@ -238,6 +239,18 @@ void ZeroOptimizer::for_each_gradient_chunk(
   }
 }
 
+void ZeroOptimizer::raise_gradient_swap_failure(const std::string& what) {
+  const NvmeGradientSwapper* swapper = gradient_swapper();
+  if (swapper == nullptr) {
+    return;
+  }
+  const std::string agreed = agreed_error(swapper->failure(), "nvme_gradients");
+  TORCH_CHECK(agreed.empty(), "could not ", what,
+              ": the gradient shard in the NVMe swap space failed (this step's gradients are "
+              "lost; zero_grad() and redo the step, or resume from the last checkpoint): ",
+              agreed);
+}
+
 at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
   at::Tensor total_norm = gradient_norm();
@@ -267,6 +280,7 @@ at::Tensor ZeroOptimizer::gradient_norm() {
       });
     }
   }
+  raise_gradient_swap_failure("take the gradient norm");
   comm_->all_reduce_sum(squares, "grad_norm");
   at::Tensor total_norm = sum_squares_across_tensor_parallel(squares).sqrt();
   if (offloaded_) {

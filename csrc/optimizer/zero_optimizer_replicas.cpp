@@ -83,6 +83,7 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
         replica_comm_->all_reduce_sum(sum, tag);
         swapped->write(g, done, sum.cpu());
       }
+      raise_gradient_swap_failure("reduce the gradients across replicas");
       continue;
     }
     at::Tensor& shard = shards_[g].grad_shard;

@@ -121,6 +121,11 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       }
     }
   }
+  if (const NvmeGradientSwapper* grads = gradient_swapper()) {
+    if (nvme_error.empty() && !grads->failure().empty()) {  // e.g. the overflow check's reads
+      nvme_error = grads->failure();
+    }
+  }
   if (nvme) {
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the

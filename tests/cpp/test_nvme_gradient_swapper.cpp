@@ -7,9 +7,11 @@
 #include "zeroshard/nvme_gradient_swapper.h"
 
 #include "temp_directory.h"
+#include "zeroshard/mapped_host_memory.h"
 
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/randperm.h>
 #include <ATen/ops/zeros.h>
@@ -136,14 +138,27 @@ TEST_P(NvmeGradientSwapperTest, ADamagedFileIsAnErrorNamingItAndTheDirectoryGoes
     EXPECT_NE(directory.find("zeroshard-grads-rank3-"), std::string::npos) << directory;
     deliver_round(swapper, {at::randn({5000}), at::Tensor(), at::randn({3001})}, 5);
     ASSERT_EQ(::truncate((directory + "/gradients.swap").c_str(), 4096), 0);
+    // Outside the step a failure is kept, not thrown (the optimizer raises it
+    // on every rank): the read gives zeros and failure() names the file.
+    EXPECT_TRUE(at::equal(swapper.read(2, 0, 3001), at::zeros({3001})));
+    const std::string kept = swapper.failure();
+    EXPECT_NE(kept.find("gradients.swap"), std::string::npos) << kept;
+    EXPECT_NE(kept.find("read"), std::string::npos) << kept;
+    // Later I/O is skipped; the step's reads raise it.
+    swapper.accumulate(0, 0, at::ones({10}));
+    EXPECT_EQ(swapper.failure(), kept);
+    const at::Tensor buffer = mapped_host_empty(NvmeGradientSwapper::read_capacity(10), at::kFloat);
     try {
-      swapper.read(2, 0, 3001);
-      ADD_FAILURE() << "a read past the truncated end did not raise";
+      swapper.submit_read(0, 0, 10, buffer.data_ptr<float>());
+      ADD_FAILURE() << "the step's read did not raise the kept failure";
     } catch (const c10::Error& e) {
       const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("is incomplete"), std::string::npos) << message;
       EXPECT_NE(message.find("gradients.swap"), std::string::npos) << message;
-      EXPECT_NE(message.find("read"), std::string::npos) << message;
     }
+    // zero_grad forgets the failure with the contents.
+    swapper.clear();
+    EXPECT_TRUE(swapper.failure().empty());
   }
   struct stat info {};
   EXPECT_NE(::stat(directory.c_str(), &info), 0) << "the swap directory outlived the swapper";

@@ -10,6 +10,7 @@ without it exactly, and torch.optim's within the offload bound.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +233,37 @@ def test_swap_gradients_needs_nvme_stage_2_or_3_and_ratio_1(tmp_path: Path) -> N
             print(f"{label} rank {rank}: {message}")
             assert expected in message and "swap_gradients" in message, (label, message)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- A damaged swap file: every rank raises, nothing hangs ---------------------------
+
+
+def _damage_before_clip(rank: int, world_size: int, path: str) -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=2,
+        offload_optimizer=_nvme(Path(path), swap_gradients=True),
+    )
+    for step in range(2):
+        optimizer.zero_grad()
+        model(torch.ones(2, 64)).pow(2).mean().backward()
+        if step == 1 and rank == 1:
+            # Rank 1's gradient swap file loses its contents after backward.
+            directory = optimizer.nvme_stats()["gradients"]["directory"]
+            os.truncate(os.path.join(directory, "gradients.swap"), 0)
+        try:
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+        except (ValueError, RuntimeError) as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_damaged_gradient_swap_file_fails_every_rank(tmp_path: Path) -> None:
+    for rank, message in enumerate(run_ranks(2, _damage_before_clip, str(tmp_path))):
+        print(f"rank {rank}: {message}")
+        assert "could not take the gradient norm" in message, (rank, message)
+        assert "rank 1" in message and "gradients.swap" in message, (rank, message)

@@ -21,6 +21,12 @@
 // Swap space: <nvme_path>/zeroshard-grads-rank<r>-XXXXXX/gradients.swap,
 // reserved at construction and removed by the destructor.
 //
+// I/O failures outside the step's reads (during backward, in the norm) do
+// not throw: they run inside autograd hooks and between collectives, where
+// raising on one rank would leave the others waiting. The first is kept
+// (failure()), later I/O is skipped and reads give zeros, and the optimizer
+// raises it on every rank at its next agreement point (the step, the norm).
+//
 // Thread-safety: one caller at a time (the optimizer holds its mutex).
 #pragma once
 
@@ -65,8 +71,11 @@ class NvmeGradientSwapper {
   // complete by then; one that is not (a round cut short by an exception)
   // is written as it is.
   void flush();
-  // Zero gradients: forgets the contents, with no I/O.
+  // Zero gradients: forgets the contents and a kept failure, with no I/O.
   void clear();
+  // The first I/O failure since clear() (file, operation, offset, reason),
+  // or empty.
+  const std::string& failure() const { return failure_; }
 
   // The step's read of [offset, offset + length) of group `group` in fp32:
   // starts the read into `buffer` (page aligned, at least
@@ -78,7 +87,8 @@ class NvmeGradientSwapper {
   void wait_read(IoTicket ticket);
 
   // Synchronous access (norm, overflow check, replica reduction): a copy of
-  // [offset, offset + length) in fp32, and an overwrite of that range.
+  // [offset, offset + length) in fp32 (zeros after a failure), and an
+  // overwrite of that range. Failures are kept, not thrown.
   at::Tensor read(size_t group, int64_t offset, int64_t length);
   void write(size_t group, int64_t offset, const at::Tensor& values);
 
@@ -114,12 +124,20 @@ class NvmeGradientSwapper {
   }
   int64_t block_bytes(size_t group, int64_t block) const;
   at::Tensor take_buffer();
+  void accumulate_now(size_t group, int64_t offset, const at::Tensor& values);
+  void write_now(size_t group, int64_t offset, const at::Tensor& values);
+  // Waits for every write, keeping the first failure.
+  void drain_quietly() noexcept;
   void write_block(const BlockId& id, HeldBlock block);
   void wait(IoTicket ticket);
   void wait_writes();
   void note_buffers();
   void check_range(size_t group, int64_t offset, int64_t length) const;
   void release_resources() noexcept;
+  // Runs `io`; keeps the first failure instead of throwing. False when it
+  // failed now or earlier (the caller then skips its I/O).
+  template <typename F>
+  bool keep_failure(F&& io);
 
   OffloadOptions offload_;
   int64_t block_elements_;
@@ -136,6 +154,7 @@ class NvmeGradientSwapper {
   std::unique_ptr<IoEngine> engine_;
   std::shared_ptr<IoFile> file_;
   double io_wait_seconds_ = 0.0;
+  std::string failure_;
 };
 
 }  // namespace zeroshard

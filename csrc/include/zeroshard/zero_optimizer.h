@@ -462,6 +462,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
     NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr;
     return swapper != nullptr && swapper->swaps(g) ? swapper : nullptr;
   }
+  // With gradients in the NVMe swap space: every rank raises an I/O failure
+  // any rank kept (see nvme_gradient_swapper.h), naming `what` it stops.
+  // Collective there; nothing otherwise.
+  void raise_gradient_swap_failure(const std::string& what);
   // Calls fn on [offset, offset + length) of group g's gradient shard, at most
   // kWidenedGradientChunk elements at a time: views of the shard, or fp32
   // copies read from its swap space.
