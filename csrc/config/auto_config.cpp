@@ -68,6 +68,9 @@ std::string resolve_auto_configuration(DeepSpeedConfig& config, double num_param
   if (!config.offload_optimizer_auto) {
     fixed.offload_optimizer = config.offload_optimizer;
   }
+  if (optimizer_offload.swap_gradients()) {
+    fixed.min_stage = 2;  // stage 1 refuses it (nothing to swap: .grad is whole)
+  }
   if (!config.offload_param_auto) {
     fixed.offload_param = config.offload_param;
   }

@@ -52,7 +52,7 @@ std::vector<Candidate> candidates(const FixedSettings& fixed, bool nvme_allowed)
         const bool uses_nvme = optimizer == OffloadDevice::kNVMe || param == OffloadDevice::kNVMe;
         const bool nvme_paths = (optimizer != OffloadDevice::kNVMe || fixed.optimizer_nvme) &&
                                 (param != OffloadDevice::kNVMe || fixed.param_nvme);
-        const bool matches = (!fixed.stage || *fixed.stage == stage) &&
+        const bool matches = (!fixed.stage || *fixed.stage == stage) && stage >= fixed.min_stage &&
                              (!fixed.offload_optimizer || *fixed.offload_optimizer == optimizer) &&
                              (!fixed.offload_param || *fixed.offload_param == param);
         if (valid && matches && nvme_paths && (nvme_allowed || !uses_nvme)) {

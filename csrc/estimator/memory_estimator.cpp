@@ -230,9 +230,10 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const bool in_place = grads_on_host && !nvme;
     const double nvme_buffer_count =
         static_cast<double>(std::max<int64_t>(1, options.nvme_buffer_count()));
-    // Where ZeroOptimizer would swap them (NVMe, stages 2-3, every sub-group
-    // offloaded); ignored elsewhere, as parameter offload is below stage 3.
-    const bool swapped = options.swap_gradients() && nvme && stage >= 2 && grads_on_host;
+    // Where ZeroOptimizer would swap them (NVMe, stages 2-3, ratio 1);
+    // ignored elsewhere, as parameter offload is below stage 3.
+    const bool swapped = options.swap_gradients() && nvme && stage >= 2 && grads_on_host &&
+                         options.offload_ratio() == 1.0;
     // Swapped gradients are read into staging with an aligned margin on each
     // side (NvmeGradientSwapper::read_capacity).
     const double margin = swapped ? NvmeGradientSwapper::read_capacity(0) * 4 : 0.0;

@@ -232,8 +232,11 @@ void GradientBuckets::launch(size_t g, size_t b) {
 }
 
 void GradientBuckets::complete_oldest() {
-  InFlight& entry = in_flight_.front();
-  entry.work.wait();
+  in_flight_.front().work.wait();
+  // Out of the queue before its slice is delivered: a delivery that throws
+  // must not leave it to be delivered again by the next wait_all().
+  InFlight entry = std::move(in_flight_.front());
+  in_flight_.pop_front();
   const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
   if (!sink_ || !sink_(entry.group, bucket.shard_offset, entry.output)) {
     host_receiver_.receive(
@@ -241,7 +244,6 @@ void GradientBuckets::complete_oldest() {
         entry.output);
   }
   release_staging(entry.staging);
-  in_flight_.pop_front();
 }
 
 void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) {

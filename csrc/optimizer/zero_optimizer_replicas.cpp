@@ -77,8 +77,8 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
     if (NvmeGradientSwapper* swapped = swapped_gradients(g)) {
       // From the swap file and back, a chunk at a time, through the device.
       const int64_t numel = swapped->numel(g);
-      for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
-        const int64_t length = std::min(kWidenedGradientChunk, numel - done);
+      for (int64_t done = 0; done < numel; done += kGradientSwapBlockElements) {
+        const int64_t length = std::min(kGradientSwapBlockElements, numel - done);
         at::Tensor sum = swapped->read(g, done, length).to(device_);
         replica_comm_->all_reduce_sum(sum, tag);
         swapped->write(g, done, sum.cpu());

@@ -135,15 +135,19 @@ void ZeroOptimizer::validate_parameters() const {
       // A stage-3 optimizer releases gathered parameters by emptying their
       // storage; one destroyed while they were released leaves the model's
       // tensors with nothing behind them, and reading them would crash.
-      const auto needed =
-          static_cast<size_t>(param.storage_offset() + param.numel()) * param.element_size();
+      int64_t extent = param.storage_offset() + 1;  // elements up to the last one
+      for (int64_t d = 0; d < param.dim() && param.numel() > 0; ++d) {
+        extent += (param.size(d) - 1) * param.stride(d);
+      }
+      const auto needed = static_cast<size_t>(extent) * param.element_size();
       TORCH_CHECK_VALUE(
           param.is_meta() || param.numel() == 0 || !param.has_storage() ||
               (param.storage().nbytes() >= needed && param.storage().data() != nullptr),
           "parameter ", i, " of group ", g, " (shape ", param.sizes(),
           ") has no values: its storage holds ", param.storage().nbytes(), " bytes, it needs ",
           needed,
-          ". It is still partitioned by a stage 3 ZeroOptimizer that was destroyed; "
+          ". It is partitioned by a stage 3 ZeroOptimizer (one since destroyed, or another "
+          "still holding this model); "
           "take the full values before dropping that optimizer (full_state_dict(), "
           "or load a checkpoint) and build the new one from a model holding them");
       auto [it, inserted] = seen.emplace(param.unsafeGetTensorImpl(), std::make_pair(g, i));

@@ -141,8 +141,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             and the step live: ``"cpu"`` or DeepSpeed's section as a dict
             (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``, or
             ``{"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4}``
-            for a swap file per rank, read and written sub-group by sub-group);
-            None or ``"none"`` keeps them on the device. Any stage.
+            for a swap file per rank, read and written sub-group by sub-group;
+            add ``"swap_gradients": True`` at stages 2-3 to put the fp32
+            gradient shard there too, written as it is reduced); None or
+            ``"none"`` keeps them on the device. Any stage.
         offload_param: stage 3: parameter shards in host memory, copied to the
             device ahead of each unit's all-gather (``"cpu"`` or a dict with
             DeepSpeed's offload_param keys), or in a swap file per rank with

@@ -713,6 +713,19 @@ TEST(DeepSpeedConfigTest, AutoStageAndOffloadAreChosenFromWhatIsFree) {
       8);
   EXPECT_ERROR_HAS(ErrorOf([&] { resolve_auto_configuration(config, 1e9, 1e7, 8, memory); }),
                    "NVMe not tried: no nvme_path given");
+
+  // swap_gradients (NVMe optimizer offload fixed, stage "auto"): stage 1, which
+  // refuses it, is no candidate, even where it would fit.
+  config = parse_deepspeed_config(
+      Config({{"zero_optimization",
+               {{"stage", "auto"},
+                {"offload_optimizer",
+                 {{"device", "nvme"}, {"nvme_path", "/local_nvme"}, {"swap_gradients", true}}}}}}),
+      8);
+  memory.device_bytes = 24e9;
+  EXPECT_ERROR_HAS(resolve_auto_configuration(config, 1e9, 1e7, 8, memory),
+                   "chose ZeRO stage 2 + optimizer offload to nvme");
+  EXPECT_EQ(config.zero_stage, 2);
 }
 
 }  // namespace

@@ -146,7 +146,7 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str | dict[int, str]]] = {
     "model_of_a_destroyed_stage3_optimizer": (
         _model_of_a_destroyed_stage3_optimizer,
         "ValueError",
-        "still partitioned by a stage 3 ZeroOptimizer that was destroyed",
+        "It is partitioned by a stage 3 ZeroOptimizer (one since destroyed",
     ),
     "unknown_optimizer": (_unknown_optimizer, "ValueError", "unknown optimizer 'adamax'"),
     "unknown_hyperparameter": (_unknown_hyperparameter, "TypeError", "['betas']"),

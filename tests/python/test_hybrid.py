@@ -129,8 +129,10 @@ def _train(rank: int, world_size: int, stage: int, how: str) -> dict[str, Any]:
         )
     with optimizer.gathered_parameters():
         params = snapshot(model)
+    swap = optimizer.nvme_stats() or {}
     return {
         "params": params,
+        "gradients_written": swap.get("gradients", {}).get("bytes_written", 0),
         "per_step": per_step,
         "shard_numels": [optimizer._impl.shard_numel(g) for g in range(2)],
         "num_params": sum(len(g["params"]) for g in optimizer.param_groups),
@@ -165,6 +167,8 @@ def test_hybrid_sharding_matches_torch_optim(stage: int, how: str) -> None:
     expected = reference()
     for rank, r in enumerate(results):
         assert r["shard_world"] == SHARD and r["data_parallel_world_size"] == WORLD
+        # With nvme_swap the gradients went through the swap file.
+        assert (r["gradients_written"] > 0) == ("nvme_swap" in how), (rank, how)
         diff = max_abs_diff(r["params"], expected)
         print(f"hybrid stage {stage} ({how}) rank {rank}: max abs diff {diff:.3e}")
         assert diff <= TOLERANCE, (rank, diff)

@@ -167,6 +167,8 @@ def _train(rank: int, world_size: int, stage: int, swap: bool = False) -> dict[s
         norms.append(optimizer.clip_grad_norm_(1e9).item())  # the norm, nothing clipped
         optimizer.step()
     full = optimizer.full_state_dict(rank=0)
+    swap = optimizer.nvme_stats() or {}
+    gradients_written = swap.get("gradients", {}).get("bytes_written", 0)
     # The yardstick: the same TP model, torch.optim on the DTensors, gradients
     # averaged over the data-parallel group by hand (what DDP does).
     yard = _parallelized(mesh)
@@ -192,7 +194,13 @@ def _train(rank: int, world_size: int, stage: int, swap: bool = False) -> dict[s
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for n, p in yard.named_parameters()
     }
-    return {"full": full, "yardstick": yardstick, "dp_rank": dp_rank, "norms": norms}
+    return {
+        "full": full,
+        "yardstick": yardstick,
+        "dp_rank": dp_rank,
+        "norms": norms,
+        "gradients_written": gradients_written,
+    }
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -206,6 +214,8 @@ def test_dp2_tp2_matches_torch_optim_on_the_unsplit_model(stage: int, swap: bool
     expected, expected_norms = reference()
     assert min(expected_norms) > CLIP  # clipping acts on every step
     for rank, r in enumerate(results):
+        # With swap the gradients went through the swap file.
+        assert (r["gradients_written"] > 0) == swap, (rank, r["gradients_written"])
         # The norm counts split pieces across the TP group, copies once.
         for got, want in zip(r["norms"], expected_norms, strict=True):
             assert abs(got - want) <= 1e-6 * want, (rank, r["norms"], expected_norms)

@@ -197,6 +197,9 @@ struct FixedSettings {
   std::optional<int64_t> stage;
   std::optional<OffloadDevice> offload_optimizer;
   std::optional<OffloadDevice> offload_param;
+  // The lowest stage a candidate may have (2 with swap_gradients, which
+  // stage 1 refuses).
+  int64_t min_stage = 1;
   // NVMe needs a swap path: false where the config's section gives none.
   bool optimizer_nvme = true;
   bool param_nvme = true;

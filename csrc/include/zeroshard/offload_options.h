@@ -44,9 +44,11 @@ struct OffloadOptions {
   // offload_optimizer on NVMe, stages 2 and 3, every sub-group offloaded:
   // the gradient shard goes to the swap file as it is reduced, and host
   // memory holds a few 4 MiB blocks of it instead of the whole shard (see
-  // nvme_gradient_swapper.h). Costs 4 bytes a shard element of disk, and a
-  // write and a read of them a step. Off by default: pick it where host
-  // memory binds before the disk does.
+  // nvme_gradient_swapper.h). Costs 4 bytes a shard element of disk, and per
+  // step a write of them per micro-batch, a read per accumulated micro-batch
+  // after the first, a read for the step, and one more for clipping, the
+  // overflow check (skip_nonfinite_steps) or hybrid replicas each. Off by
+  // default: pick it where host memory binds before the disk does.
   TORCH_ARG(bool, swap_gradients) = false;
 
  public:
