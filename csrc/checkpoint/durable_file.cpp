@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -137,8 +138,7 @@ void publish_directory(const std::string& from, const std::string& to) {
     if (::syscall(SYS_renameat2, AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), kRenameExchange) ==
         0) {
       fsync_directory(parent_directory(to));
-      std::error_code ignored;  // `to` is published: a leftover old copy is harmless
-      fs::remove_all(from, ignored);
+      remove_tree(from);  // `to` is published: a leftover old copy is harmless
       return;
     }
     // Only a kernel or file system without the exchange falls through.
@@ -148,16 +148,37 @@ void publish_directory(const std::string& from, const std::string& to) {
     // No atomic exchange (old kernel or file system): move the old one aside
     // first; `to` is missing for an instant, never half-written.
     const std::string aside = to + ".replaced";
-    fs::remove_all(aside);
+    std::string error;
+    TORCH_CHECK(remove_tree(aside, &error), "cannot remove ", aside, ": ", error);
     fs::rename(to, aside);
     fs::rename(from, to);
     fsync_directory(parent_directory(to));
-    fs::remove_all(aside);
+    remove_tree(aside);
     return;
   }
   TORCH_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename ", from, " to ", to, ": ",
               os_error());
   fsync_directory(parent_directory(to));
+}
+
+bool remove_tree(const std::string& path, std::string* error) {
+  struct stat info {};
+  if (::lstat(path.c_str(), &info) != 0) {
+    return errno == ENOENT || (error != nullptr && (*error = os_error(), false));
+  }
+  // Depth first (FTW_DEPTH), not following links (FTW_PHYS): contents before
+  // their directory, a link removed as a link.
+  const int status = ::nftw(
+      path.c_str(),
+      [](const char* entry, const struct stat*, int, struct FTW*) { return ::remove(entry); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+  if (status != 0) {
+    if (error != nullptr) {
+      *error = os_error();
+    }
+    return false;
+  }
+  return true;
 }
 
 std::string parent_directory(const std::string& path) {

@@ -47,5 +47,11 @@ std::string read_whole_file(const std::string& path);
 // names a complete directory at every instant. Fsyncs the parent.
 void publish_directory(const std::string& from, const std::string& to);
 std::string parent_directory(const std::string& path);
+// Removes `path` and, for a directory, everything under it (nothing if it
+// does not exist); returns false and sets `error` on failure. Not
+// std::filesystem::remove_all: the copy libtorch.so exports, which a binary
+// loading libtorch binds to, crashes on a directory with contents (seen with
+// torch 2.11: a null call inside it, on every checkpoint saved over another).
+bool remove_tree(const std::string& path, std::string* error = nullptr);
 
 }  // namespace zeroshard::checkpoint_detail

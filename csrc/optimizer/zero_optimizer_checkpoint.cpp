@@ -2,6 +2,7 @@
 // written synchronously or by a background thread. Loading is in
 // zero_optimizer_checkpoint_load.cpp. See docs/design.md ("Checkpoints").
 #include "../checkpoint/checkpoint_detail.h"
+#include "../checkpoint/durable_file.h"
 #include "../checkpoint/element_runs.h"
 #include "zeroshard/safetensors.h"
 #include "zeroshard/zero_optimizer.h"
@@ -179,11 +180,18 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
   // (before any collective, so that a refusal is raised by all).
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
   if (options.async_save()) {
+    // Every rank has the same placement: all refuse alike, before any collective.
+    TORCH_CHECK_VALUE(!offloaded_ || placement_->offload_tier() != StateTier::kNVMe,
+                      "async_save copies the whole optimizer state into host memory, which NVMe "
+                      "offload keeps it out of; save with async_save=False (it streams from the "
+                      "swap space a piece at a time)");
     commit = next_checkpoint_commit(path);
   }
   if (rank == 0 && error.empty()) {
     try {
-      fs::remove_all(staging);  // what an interrupted save left
+      std::string removal_error;
+      TORCH_CHECK(checkpoint_detail::remove_tree(staging, &removal_error), "cannot remove ",
+                  staging, " (what an interrupted save left): ", removal_error);
       fs::create_directories(staging);
     } catch (const std::exception& e) {
       error = "cannot create " + staging + ": " + message_of(e);

@@ -10,6 +10,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -115,6 +116,96 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   bool same_grouping = false;  // the saved groups are this optimizer's
   std::string index_crc;
   std::vector<std::string> held;  // the saved names this rank's parameters matched
+  std::vector<std::vector<const json*>> match(shards_.size());
+  // The data files, opened on first use.
+  std::vector<std::optional<SafetensorsReader>> files;
+  auto file = [&](size_t f) -> const SafetensorsReader& {
+    if (!files[f]) {
+      const std::string file_path = join(path, result.index.at("files")[f].at("name"));
+      TORCH_CHECK_VALUE(fs::exists(file_path), "checkpoint file ", file_path,
+                        " is missing (saved by rank ", f, " of ", result.index.at("world_size"),
+                        ")");
+      files[f].emplace(file_path);
+    }
+    return *files[f];
+  };
+  // Reads and verifies (CRC-32C) the pieces of `state` that hold group g's
+  // segments on this rank, and hands each range to put(shard offset, values,
+  // length); a segment never stepped has no state (zero, as a fresh one):
+  // zero(shard offset, length). Returns whether any segment had the state.
+  // One piece in memory at a time.
+  auto visit_state = [&](size_t g, OptimizerStateName state, const auto& put,
+                         const auto& zero) -> bool {
+    bool any = false;
+    for (const ShardSegment& segment : shards_[g].segments) {
+      const json& entry = *match[g][segment.param_index];
+      const std::string& name = entry.at("name").get_ref<const std::string&>();
+      const json& states = entry.at("states");
+      if (!states.contains(checkpoint_state_name(state))) {
+        TORCH_CHECK_VALUE(state != OptimizerStateName::kMaster && entry.at("step") == 0,
+                          "checkpoint ", path, " has no ", checkpoint_state_name(state),
+                          " for parameter '", name, "'");
+        zero(segment.shard_offset, segment.numel);
+        continue;
+      }
+      const int64_t begin = segment.param_offset, end = begin + segment.numel;
+      // Both sides as unsplit elements (element_runs.h): equal to the
+      // local ones without tensor parallelism.
+      const size_t i = segment.param_index;
+      const auto wanted_runs = checkpoint_detail::unsplit_runs(
+          tensor_parallel_split(g, i), param_groups_[g].params()[i].sizes(), begin, segment.numel);
+      int64_t covered = 0;
+      for (const auto& piece : states.at(checkpoint_state_name(state))) {
+        const int64_t numel = piece.at("numel");
+        checkpoint_detail::ElementRuns stored{piece.at("begin"), numel, numel, 1};
+        if (piece.contains("run")) {
+          stored.run = piece.at("run");
+          stored.stride = piece.at("stride");
+          TORCH_CHECK_VALUE(
+              stored.run > 0 && numel % stored.run == 0 && stored.stride >= stored.run,
+              "checkpoint ", path, " has an invalid piece of parameter '", name, "' (run ",
+              stored.run, ", stride ", stored.stride, ", numel ", numel, ")");
+          stored.count = numel / stored.run;
+        }
+        std::vector<std::array<int64_t, 3>> shared;
+        checkpoint_detail::for_each_shared_range(wanted_runs, stored,
+                                                 [&](int64_t to, int64_t from, int64_t length) {
+                                                   shared.push_back({to, from, length});
+                                                 });
+        if (shared.empty()) {
+          continue;
+        }
+        const size_t f = piece.at("file");
+        const SafetensorsReader& reader = file(f);
+        at::Tensor buffer = at::empty({numel}, at::kFloat);
+        reader.read(piece.at("offset"), buffer.data_ptr(), numel * 4);
+        TORCH_CHECK_VALUE(crc32c(buffer.data_ptr(), static_cast<size_t>(numel) * 4) ==
+                              piece.at("crc32c").get<uint32_t>(),
+                          "checksum mismatch in ", reader.path(), " for ",
+                          checkpoint_state_name(state), " of parameter '", name,
+                          "' (the piece from element ", stored.begin, "): the file is corrupt");
+        const float* source = buffer.data_ptr<float>();
+        for (const auto& [to, from, length] : shared) {
+          put(segment.shard_offset + to, source + from, length);
+          covered += length;
+        }
+      }
+      TORCH_CHECK_VALUE(covered == segment.numel, "checkpoint ", path, " covers ", covered,
+                        " of elements ", begin, " to ", end, " of ", checkpoint_state_name(state),
+                        " of parameter '", name, "'");
+      any = true;
+    }
+    return any;
+  };
+  // [Note: streaming load] With the optimizer state on NVMe the whole state
+  // does not fit in host memory (that is why it is there): the pieces are
+  // read and verified once before anything changes, holding nothing, and
+  // read again after every rank agreed, each range written straight into
+  // the swap space. Otherwise each state's new shard is assembled in host
+  // memory from one pass.
+  const bool streaming = offloaded_ && placement_->offload_tier() == StateTier::kNVMe;
+  // Per group, the states the second pass writes (the master always).
+  std::vector<std::vector<OptimizerStateName>> streamed(shards_.size());
   try {
     TORCH_CHECK_VALUE(error.empty(), error);
     result.index = read_checkpoint_index(path);
@@ -134,7 +225,6 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
         saved.emplace(alias.get<std::string>(), &param);
       }
     }
-    std::vector<std::vector<const json*>> match(shards_.size());
     std::vector<std::string> mismatches;
     int64_t mismatch_count = 0;
     std::unordered_map<const json*, bool> used;
@@ -188,16 +278,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     }
 
     // Read the ranges this rank owns now, piece by piece, checksums verified.
-    std::vector<std::optional<SafetensorsReader>> files(index.at("files").size());
-    auto file = [&](size_t f) -> const SafetensorsReader& {
-      if (!files[f]) {
-        const std::string file_path = join(path, index.at("files")[f].at("name"));
-        TORCH_CHECK_VALUE(fs::exists(file_path), "checkpoint file ", file_path,
-                          " is missing (saved by rank ", f, " of ", index.at("world_size"), ")");
-        files[f].emplace(file_path);
-      }
-      return *files[f];
-    };
+    files.resize(index.at("files").size());
     // Hyper-parameters follow the saved groups when the grouping is the same;
     // then they, not the current ones, say which states exist (amsgrad,
     // momentum). Applied only after every rank agreed.
@@ -232,67 +313,23 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
         if (!wanted) {
           continue;
         }
-        at::Tensor values = at::zeros({shard_numel}, at::kFloat);
-        bool any = false;
-        for (const ShardSegment& segment : shards_[g].segments) {
-          const json& entry = *match[g][segment.param_index];
-          const std::string& name = entry.at("name").get_ref<const std::string&>();
-          const json& states = entry.at("states");
-          if (!states.contains(checkpoint_state_name(state))) {
-            TORCH_CHECK_VALUE(state != OptimizerStateName::kMaster && entry.at("step") == 0,
-                              "checkpoint ", path, " has no ", checkpoint_state_name(state),
-                              " for parameter '", name, "'");
-            continue;  // never stepped: the state is zero, as a fresh one
+        if (streaming) {
+          // The first pass: every piece read and verified, nothing kept.
+          const bool any = visit_state(
+              g, state, [](int64_t, const float*, int64_t) {}, [](int64_t, int64_t) {});
+          if (any || state == OptimizerStateName::kMaster) {
+            streamed[g].push_back(state);
           }
-          const int64_t begin = segment.param_offset, end = begin + segment.numel;
-          // Both sides as unsplit elements (element_runs.h): equal to the
-          // local ones without tensor parallelism.
-          const size_t i = segment.param_index;
-          const auto wanted_runs = checkpoint_detail::unsplit_runs(
-              tensor_parallel_split(g, i), param_groups_[g].params()[i].sizes(), begin,
-              segment.numel);
-          float* target = values.data_ptr<float>() + segment.shard_offset;
-          int64_t covered = 0;
-          for (const auto& piece : states.at(checkpoint_state_name(state))) {
-            const int64_t numel = piece.at("numel");
-            checkpoint_detail::ElementRuns stored{piece.at("begin"), numel, numel, 1};
-            if (piece.contains("run")) {
-              stored.run = piece.at("run");
-              stored.stride = piece.at("stride");
-              TORCH_CHECK_VALUE(
-                  stored.run > 0 && numel % stored.run == 0 && stored.stride >= stored.run,
-                  "checkpoint ", path, " has an invalid piece of parameter '", name, "' (run ",
-                  stored.run, ", stride ", stored.stride, ", numel ", numel, ")");
-              stored.count = numel / stored.run;
-            }
-            std::vector<std::array<int64_t, 3>> shared;
-            checkpoint_detail::for_each_shared_range(wanted_runs, stored,
-                                                     [&](int64_t to, int64_t from, int64_t length) {
-                                                       shared.push_back({to, from, length});
-                                                     });
-            if (shared.empty()) {
-              continue;
-            }
-            const size_t f = piece.at("file");
-            const SafetensorsReader& reader = file(f);
-            at::Tensor buffer = at::empty({numel}, at::kFloat);
-            reader.read(piece.at("offset"), buffer.data_ptr(), numel * 4);
-            TORCH_CHECK_VALUE(crc32c(buffer.data_ptr(), static_cast<size_t>(numel) * 4) ==
-                                  piece.at("crc32c").get<uint32_t>(),
-                              "checksum mismatch in ", reader.path(), " for ",
-                              checkpoint_state_name(state), " of parameter '", name,
-                              "' (the piece from element ", stored.begin, "): the file is corrupt");
-            const float* source = buffer.data_ptr<float>();
-            for (const auto& [to, from, length] : shared) {
-              std::memcpy(target + to, source + from, static_cast<size_t>(length) * sizeof(float));
-              covered += length;
-            }
-          }
-          TORCH_CHECK_VALUE(covered == segment.numel, "checkpoint ", path, " covers ", covered,
-                            " of elements ", begin, " to ", end, " of ",
-                            checkpoint_state_name(state), " of parameter '", name, "'");
-          any = true;
+          continue;
         }
+        at::Tensor values = at::zeros({shard_numel}, at::kFloat);
+        float* target = values.data_ptr<float>();
+        const bool any = visit_state(
+            g, state,
+            [&](int64_t offset, const float* source, int64_t length) {
+              std::memcpy(target + offset, source, static_cast<size_t>(length) * sizeof(float));
+            },
+            [](int64_t, int64_t) {});  // already zeros
         if (any || state == OptimizerStateName::kMaster) {
           loaded[g][static_cast<size_t>(state)] = values;
         }
@@ -373,7 +410,40 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   }
 
   at::NoGradGuard no_grad;
-  for (size_t g = 0; g < shards_.size(); ++g) {
+  if (streaming) {
+    // The second pass (see [Note: streaming load]): what every rank verified
+    // is read again and written range by range into the swap space. A read
+    // or write failing now (the files changed since, the disk) is raised on
+    // every rank; the state is then partly loaded, as the message says.
+    std::string stream_error;
+    try {
+      for (size_t g = 0; g < shards_.size(); ++g) {
+        for (OptimizerStateName state : streamed[g]) {
+          if (state != OptimizerStateName::kMaster && !with_state) {
+            continue;
+          }
+          visit_state(
+              g, state,
+              [&](int64_t offset, const float* source, int64_t length) {
+                offloaded_->write(g, state, offset,
+                                  at::from_blob(const_cast<float*>(source), {length}, at::kFloat));
+              },
+              [&](int64_t offset, int64_t length) {
+                offloaded_->write(g, state, offset, at::zeros({length}, at::kFloat));
+              });
+        }
+        shards_[g].steps = steps[g];
+      }
+    } catch (const std::exception& e) {
+      stream_error = message_of(e);
+    }
+    const std::string agreed = agreed_error(stream_error, "checkpoint_stream");
+    TORCH_CHECK(agreed.empty(), "could not load checkpoint ", path,
+                " into the NVMe swap space (the optimizer state is partly loaded; load it "
+                "again): ",
+                agreed);
+  }
+  for (size_t g = 0; g < shards_.size() && !streaming; ++g) {
     GroupShards& shard = shards_[g];
     write_master(g, 0, loaded[g][0].to(fp32_options()));
     if (!with_state) {

@@ -4,6 +4,8 @@
 // offloaded_optimizer_state.h's; here they meet the shards and parameters.
 #include "zeroshard/zero_optimizer.h"
 
+#include "zeroshard/widened_gradient_chunk.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -128,9 +130,16 @@ void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::T
 }
 
 void ZeroOptimizer::refresh_parameters_from_master() {
+  // A chunk at a time: with NVMe offload a whole fp32 master shard is what
+  // host memory is not meant to hold.
   for (size_t g = 0; g < shards_.size(); ++g) {
-    const at::Tensor master = master_shard(g);
-    write_parameter_values(g, 0, master.to(shards_[g].param_options.dtype()), /*async=*/false);
+    const int64_t numel = layout_->group(g).shard_numel();
+    for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
+      const int64_t length = std::min(kWidenedGradientChunk, numel - done);
+      write_parameter_values(g, done,
+                             read_master(g, done, length).to(shards_[g].param_options.dtype()),
+                             /*async=*/false);
+    }
   }
 }
 

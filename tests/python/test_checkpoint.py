@@ -625,3 +625,28 @@ def test_the_saved_hyperparameters_decide_which_states_load(tmp_path: Path) -> N
     assert unwrap(run_ranks(3, _amsgrad_job, job)) == [True, True, True]
     assert "max_exp_avg_sq" in read_states(resaved)
     _assert_same_states(saved, resaved)
+
+
+# ---- Saving over an existing checkpoint -----------------------------------------------
+
+
+def test_saving_over_a_checkpoint_and_over_an_interrupted_save_replaces_them(
+    tmp_path: Path,
+) -> None:
+    # Both replace a directory with contents: the published checkpoint (moved
+    # aside atomically, then removed) and what an interrupted save left at
+    # <path>.tmp. Removing them went through the std::filesystem::remove_all
+    # that libtorch.so exports, which crashed the rank every time.
+    target = tmp_path / "ckpt"
+    first = _run(2, stage=2, first=0, steps=2, save=str(target))
+    leftover = tmp_path / "ckpt.tmp" / "nested"
+    leftover.mkdir(parents=True)
+    (leftover / "piece.safetensors").write_bytes(b"\0" * 4096)
+    second = _run(2, stage=2, first=0, steps=4, save=str(target))
+    assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.replaced").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # The checkpoint now holds the second run's state: loading it and saving
+    # again with no step in between gives the same bytes of every state.
+    _run(2, stage=2, first=0, steps=0, load=str(target), save=str(tmp_path / "again"))
+    _assert_same_states(target, tmp_path / "again")
+    assert any(not torch.equal(first[k], second[k]) for k in first)
