@@ -156,13 +156,21 @@ def _nvme(path: Path) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "pin_memory": True}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_cuda_nvme_offload_matches_torch_optim(stage: int, tmp_path: Path) -> None:
-    offload = {"offload_optimizer": {**_nvme(tmp_path), "buffer_count": 4}, "sub_group_size": 50}
+@pytest.mark.parametrize(("stage", "swap_gradients"), [(2, False), (3, False), (3, True)])
+def test_cuda_nvme_offload_matches_torch_optim(
+    stage: int, swap_gradients: bool, tmp_path: Path
+) -> None:
+    # swap_gradients: each reduced slice leaves the GPU with a blocking copy
+    # into the gradient swap's blocks (never run on a GPU before).
+    optimizer_offload = {**_nvme(tmp_path), "buffer_count": 4, "swap_gradients": swap_gradients}
+    offload = {"offload_optimizer": optimizer_offload, "sub_group_size": 50}
     if stage == 3:
         # max_in_cpu 0: every parameter shard lives in the swap file.
         offload["offload_param"] = {**_nvme(tmp_path), "max_in_cpu": 0}
     (result,) = unwrap(run_ranks(1, _train, stage, "nccl", offload))
     diff = max_abs_diff(result, _reference())
-    print(f"CUDA/NCCL stage {stage} with NVMe offload: max abs diff {diff:.3e}")
+    print(
+        f"CUDA/NCCL stage {stage} with NVMe offload (swap_gradients {swap_gradients}): "
+        f"max abs diff {diff:.3e}"
+    )
     assert diff <= TOLERANCE
