@@ -20,7 +20,7 @@ import torch
 import zeroshard
 
 from dist_harness import run_ranks, unwrap
-from test_nvme import RSS_BUFFERS, _nvme, _state_rss, _train_and_inspect
+from test_nvme import RSS_BUFFERS, _engine_run, _nvme, _state_rss, _train_and_inspect
 from test_offload import STEPS, _max_diff, _train, reference
 
 TOLERANCE = 1e-6  # as tests/python/test_offload.py
@@ -267,3 +267,17 @@ def test_a_damaged_gradient_swap_file_fails_every_rank(tmp_path: Path) -> None:
         print(f"rank {rank}: {message}")
         assert "could not take the gradient norm" in message, (rank, message)
         assert "rank 1" in message and "gradients.swap" in message, (rank, message)
+
+
+# ---- The engine reads the key from a DeepSpeed config ----------------------------------
+
+
+def test_engine_takes_swap_gradients_from_the_config(tmp_path: Path) -> None:
+    swapped = unwrap(run_ranks(2, _engine_run, _nvme(tmp_path, swap_gradients=True)))
+    resident = unwrap(run_ranks(2, _engine_run, _nvme(tmp_path)))
+    for rank in range(2):
+        grads = swapped[rank]["stats"]["gradients"]
+        print(f"rank {rank}: gradient swap {grads}")
+        assert grads["bytes_written"] > 0 and "gradients" not in resident[rank]["stats"]
+        for a, b in zip(swapped[rank]["params"], resident[rank]["params"], strict=True):
+            assert torch.equal(a, b)
