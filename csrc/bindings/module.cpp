@@ -93,6 +93,18 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind 
   return options;
 }
 
+// The keys every NVMe swap space reports (nvme_stats()).
+template <typename Swapper>
+py::dict swap_io_stats(const Swapper& swapper) {
+  py::dict out;
+  out["directory"] = swapper.directory();
+  out["disk_bytes"] = swapper.disk_bytes();
+  out["bytes_read"] = swapper.bytes_read();
+  out["bytes_written"] = swapper.bytes_written();
+  out["io_wait_seconds"] = swapper.io_wait_seconds();
+  return out;
+}
+
 // An offload section (offload_optimizer / offload_param) from the Python
 // layer's dict, keys already checked there.
 OffloadOptions offload_options_from(const py::dict& values) {
@@ -416,38 +428,24 @@ PYBIND11_MODULE(_C, m) {
              }
              py::dict out;
              if (swapper != nullptr) {
+               out = zeroshard::swap_io_stats(*swapper);
                out["backend"] = swapper->io_backend();
-               out["directory"] = swapper->directory();
-               out["disk_bytes"] = swapper->disk_bytes();
                out["buffer_bytes"] = swapper->buffer_bytes();
-               out["bytes_read"] = swapper->bytes_read();
-               out["bytes_written"] = swapper->bytes_written();
-               out["io_wait_seconds"] = swapper->io_wait_seconds();
              }
              if (params != nullptr) {
-               py::dict p;
+               py::dict p = zeroshard::swap_io_stats(*params);
                p["backend"] = params->io_backend();
-               p["directory"] = params->directory();
-               p["disk_bytes"] = params->disk_bytes();
                p["host_shard_bytes"] = params->host_shard_bytes();
                p["ahead_bytes"] = params->ahead_bytes();
                p["peak_ahead_bytes"] = params->peak_ahead_bytes();
-               p["bytes_read"] = params->bytes_read();
-               p["bytes_written"] = params->bytes_written();
                p["reads_ahead"] = params->reads_ahead();
                p["reads_on_demand"] = params->reads_on_demand();
-               p["io_wait_seconds"] = params->io_wait_seconds();
                out["parameters"] = p;
              }
              if (grads != nullptr) {
-               py::dict g;
-               g["directory"] = grads->directory();
-               g["disk_bytes"] = grads->disk_bytes();
+               py::dict g = zeroshard::swap_io_stats(*grads);
                g["buffer_bytes"] = grads->buffer_bytes();
                g["peak_buffer_bytes"] = grads->peak_buffer_bytes();
-               g["bytes_read"] = grads->bytes_read();
-               g["bytes_written"] = grads->bytes_written();
-               g["io_wait_seconds"] = grads->io_wait_seconds();
                out["gradients"] = g;
              }
              return out;

@@ -13,7 +13,7 @@ namespace {
 
 // Buffers, offsets and sizes that are multiples of this work with O_DIRECT on
 // devices of 512-byte and 4 KiB logical blocks alike.
-constexpr int64_t kDirectAlignment = 4096;
+constexpr int64_t kDirectAlignment = kDirectIoAlignment;
 
 std::string system_message(int error) { return std::strerror(error); }
 

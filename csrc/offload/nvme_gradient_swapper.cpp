@@ -14,12 +14,7 @@
 namespace zeroshard {
 namespace {
 
-constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
-constexpr int64_t kAlignedElements = kAlignment / 4;
-
-int64_t round_up(int64_t value, int64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
+constexpr int64_t kAlignedElements = kDirectIoAlignment / 4;  // fp32 elements
 
 constexpr const char* kSwapFileName = "gradients.swap";
 
@@ -36,10 +31,10 @@ NvmeGradientSwapper::NvmeGradientSwapper(const OffloadOptions& offload, const Ai
   check_aio_options(aio);
   for (int64_t numel : numels_) {
     offsets_.push_back(disk_bytes_);
-    disk_bytes_ += round_up(numel * 4, kAlignment);
+    disk_bytes_ += round_up_to_direct_io(numel * 4);
     on_disk_.emplace_back((numel + block_elements_ - 1) / block_elements_, false);
     buffer_elements_ =
-        std::max(buffer_elements_, round_up(std::min(numel, block_elements_), kAlignedElements));
+        std::max(buffer_elements_, round_up_to_direct_io(std::min(numel, block_elements_) * 4) / 4);
   }
   directory_ = make_swap_directory(offload.nvme_path(), "zeroshard-grads", rank);
   try {
@@ -73,7 +68,7 @@ int64_t NvmeGradientSwapper::block_numel(size_t g, int64_t block) const {
 }
 
 int64_t NvmeGradientSwapper::block_bytes(size_t g, int64_t block) const {
-  return round_up(block_numel(g, block) * 4, kAlignment);
+  return round_up_to_direct_io(block_numel(g, block) * 4);
 }
 
 int64_t NvmeGradientSwapper::buffer_bytes() const {
@@ -174,36 +169,50 @@ void NvmeGradientSwapper::accumulate_now(size_t g, int64_t offset, const at::Ten
   if (!source.is_cpu()) {
     source = source.to(at::kCPU);
   }
+  for_each_block_piece(g, offset, length,
+                       [&](int64_t k, int64_t local, int64_t done, int64_t take) {
+                         const BlockId id{g, k};
+                         auto it = held_.find(id);
+                         if (it == held_.end()) {
+                           // On disk: a second round before the step, the block's sum so far.
+                           HeldBlock block{load_block(g, k), 0};
+                           it = held_.emplace(id, std::move(block)).first;
+                           note_buffers();
+                         }
+                         HeldBlock& block = it->second;
+                         block.values.narrow(0, local, take).add_(source.narrow(0, done, take));
+                         block.arrived += take;
+                         if (block.arrived == block_numel(g, k)) {
+                           HeldBlock complete = std::move(block);
+                           held_.erase(it);
+                           write_block(id, std::move(complete));
+                         }
+                       });
+}
+
+template <typename F>
+void NvmeGradientSwapper::for_each_block_piece(size_t g, int64_t offset, int64_t length,
+                                               F&& fn) const {
   for (int64_t done = 0; done < length;) {
     const int64_t position = offset + done;
     const int64_t k = position / block_elements_;
     const int64_t local = position - k * block_elements_;
     const int64_t take = std::min(length - done, block_numel(g, k) - local);
-    const BlockId id{g, k};
-    auto it = held_.find(id);
-    if (it == held_.end()) {
-      HeldBlock block{take_buffer(), 0};
-      if (on_disk_[g][k]) {
-        // A second round before the step: the block's sum so far comes back.
-        wait_writes();
-        wait(engine_->submit({{file_.get(), IoOp::kRead, block_offset(g, k),
-                               block.values.data_ptr(), block_bytes(g, k)}}));
-      } else {
-        block.values.zero_();
-      }
-      it = held_.emplace(id, std::move(block)).first;
-      note_buffers();
-    }
-    HeldBlock& block = it->second;
-    block.values.narrow(0, local, take).add_(source.narrow(0, done, take));
-    block.arrived += take;
-    if (block.arrived == block_numel(g, k)) {
-      HeldBlock complete = std::move(block);
-      held_.erase(it);
-      write_block(id, std::move(complete));
-    }
+    fn(k, local, done, take);
     done += take;
   }
+}
+
+at::Tensor NvmeGradientSwapper::load_block(size_t g, int64_t k) {
+  at::Tensor block = take_buffer();
+  if (on_disk_[g][k]) {
+    wait_writes();  // its last write lands before it is read
+    wait(engine_->submit(
+        {{file_.get(), IoOp::kRead, block_offset(g, k), block.data_ptr(), block_bytes(g, k)}}));
+  } else {
+    block.zero_();  // nothing since clear(): zeros
+  }
+  return block;
 }
 
 void NvmeGradientSwapper::flush() {
@@ -261,7 +270,7 @@ int64_t NvmeGradientSwapper::read_lead(int64_t offset) { return offset % kAligne
 
 IoTicket NvmeGradientSwapper::submit_read(size_t g, int64_t offset, int64_t length, float* buffer) {
   check_range(g, offset, length);
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(buffer) % kAlignment == 0,
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(buffer) % kDirectIoAlignment == 0,
                         "gradient swap reads need a page-aligned buffer");
   flush();
   // The step reads through here and raises on every rank itself; a failure
@@ -270,7 +279,7 @@ IoTicket NvmeGradientSwapper::submit_read(size_t g, int64_t offset, int64_t leng
               "the gradient shard in the NVMe swap space is incomplete: ", failure_);
   // The aligned bytes around the range, so every piece takes the direct path.
   const int64_t begin = (offset - read_lead(offset)) * 4;
-  const int64_t end = round_up((offset + length) * 4, kAlignment);
+  const int64_t end = round_up_to_direct_io((offset + length) * 4);
   auto* out = reinterpret_cast<char*>(buffer);
   std::vector<IoRequest> reads;
   for (int64_t k = begin / (block_elements_ * 4); k * block_elements_ * 4 < end; ++k) {
@@ -307,25 +316,16 @@ void NvmeGradientSwapper::write(size_t g, int64_t offset, const at::Tensor& valu
 void NvmeGradientSwapper::write_now(size_t g, int64_t offset, const at::Tensor& values) {
   const int64_t length = values.numel();
   at::Tensor source = values.reshape({-1});
-  for (int64_t done = 0; done < length;) {
-    const int64_t position = offset + done;
-    const int64_t k = position / block_elements_;
-    const int64_t local = position - k * block_elements_;
-    const int64_t take = std::min(length - done, block_numel(g, k) - local);
-    at::Tensor block = take_buffer();
-    if (take < block_numel(g, k) && on_disk_[g][k]) {
-      wait(engine_->submit(
-          {{file_.get(), IoOp::kRead, block_offset(g, k), block.data_ptr(), block_bytes(g, k)}}));
-    } else if (take < block_numel(g, k)) {
-      block.zero_();
-    }
-    block.narrow(0, local, take).copy_(source.narrow(0, done, take));
-    wait(engine_->submit(
-        {{file_.get(), IoOp::kWrite, block_offset(g, k), block.data_ptr(), block_bytes(g, k)}}));
-    on_disk_[g][k] = true;
-    pool_.push_back(std::move(block));
-    done += take;
-  }
+  for_each_block_piece(
+      g, offset, length, [&](int64_t k, int64_t local, int64_t done, int64_t take) {
+        // A whole block needs nothing read; a part keeps the rest of it.
+        at::Tensor block = take < block_numel(g, k) ? load_block(g, k) : take_buffer();
+        block.narrow(0, local, take).copy_(source.narrow(0, done, take));
+        wait(engine_->submit({{file_.get(), IoOp::kWrite, block_offset(g, k), block.data_ptr(),
+                               block_bytes(g, k)}}));
+        on_disk_[g][k] = true;
+        pool_.push_back(std::move(block));
+      });
   note_buffers();
 }
 

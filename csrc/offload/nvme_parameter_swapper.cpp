@@ -14,13 +14,12 @@
 namespace zeroshard {
 namespace {
 
-constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
 // A run that never steps (evaluation only) stops recording its reads here.
 constexpr size_t kMaxTrace = size_t{1} << 20;
 // How far ahead in the plan a read that is not next in line is looked for.
 constexpr size_t kResyncWindow = 8;
 
-int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+int64_t round_up(int64_t bytes) { return round_up_to_direct_io(bytes); }
 
 constexpr const char* kSwapFileName = "parameters.swap";
 std::string swap_file(const std::string& directory) { return directory + "/" + kSwapFileName; }

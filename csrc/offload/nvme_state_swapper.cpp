@@ -17,9 +17,7 @@
 namespace zeroshard {
 namespace {
 
-constexpr int64_t kAlignment = 4096;  // IoFile's direct-path alignment
-
-int64_t round_up(int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+int64_t round_up(int64_t bytes) { return round_up_to_direct_io(bytes); }
 
 constexpr const char* kSwapFileName = "optimizer.swap";
 std::string swap_file(const std::string& directory) { return directory + "/" + kSwapFileName; }

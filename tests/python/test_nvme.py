@@ -111,14 +111,18 @@ def test_nvme_offload_matches_torch_optim(name: str, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bf16_nvme_offload_matches_bf16_without_offload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("swap_gradients", [False, True])
+def test_bf16_nvme_offload_matches_bf16_without_offload(
+    swap_gradients: bool, tmp_path: Path
+) -> None:
     # As test_offload's bf16 test: the same fp32 master math, so an ulp of the
-    # master at most, which flips a bf16 rounding now and then.
-    kwargs = _kwargs(tmp_path, {"sub_group_size": 11})
+    # master at most, which flips a bf16 rounding now and then. With
+    # swap_gradients the shard sums in fp32 on disk instead of in bf16 in RAM.
+    kwargs = _kwargs(tmp_path, {"sub_group_size": 11, "swap_gradients": swap_gradients})
     plain = unwrap(run_ranks(2, _train, 2, {}, 2, 0.5, torch.bfloat16))[0]
     moved = unwrap(run_ranks(2, _train, 2, kwargs, 2, 0.5, torch.bfloat16))[0]
     master_diff = _max_diff(moved["master"], plain["master"])
-    print(f"bf16 master max abs diff NVMe vs device {master_diff:.3e}")
+    print(f"bf16 master max abs diff NVMe (swap {swap_gradients}) vs device {master_diff:.3e}")
     assert master_diff <= 2e-3
     for master, param in zip(moved["master"], moved["params"], strict=True):
         assert torch.equal(master.to(torch.bfloat16), param)
@@ -221,12 +225,17 @@ RSS_SUB_GROUP = 1 << 18
 RSS_BUFFERS = 3
 
 
-def _rss_bytes() -> int:
+def _status_bytes(key: str) -> int:
+    """A memory figure of this process from /proc/self/status (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def _rss_bytes() -> int:
+    return _status_bytes("VmRSS")
 
 
 def _train_once(model: nn.Module, optimizer: Any, width: int) -> None:
@@ -482,14 +491,6 @@ def test_nvme_checkpoint_loads_into_cpu_offload_and_nvme_and_continues_identical
     assert diffs == [0.0, 0.0]
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
 def _load_peak(rank: int, world_size: int, path: str, into: str) -> dict[str, int]:
     """What loading a checkpoint saved with NVMe offload into an optimizer with
     `into` offload ('nvme' or 'cpu') adds to peak RSS."""
@@ -518,7 +519,7 @@ def _load_peak(rank: int, world_size: int, path: str, into: str) -> dict[str, in
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # VmHWM restarts from the current RSS
     optimizer.load_checkpoint(os.path.join(path, "ckpt"))
-    added = _peak_rss_bytes() - before
+    added = _status_bytes("VmHWM") - before
     got = optimizer._impl.full_parameters(0)[0]  # gathered on rank 0, empty elsewhere
     same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     return {"params": sum(p.numel() for p in model.parameters()), "added": added, "same": same}

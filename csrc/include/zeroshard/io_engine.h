@@ -49,6 +49,14 @@ struct AioOptions {
   TORCH_ARG(bool, use_io_uring) = true;
 };
 
+// Buffer address, file offset and size multiple of IoFile's direct
+// (O_DIRECT) path; the swap files lay their slots out on it.
+constexpr int64_t kDirectIoAlignment = 4096;
+// `bytes` rounded up to kDirectIoAlignment.
+constexpr int64_t round_up_to_direct_io(int64_t bytes) {
+  return (bytes + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
+}
+
 // Throws c10::ValueError naming the key for values out of range.
 void check_aio_options(const AioOptions& options);
 

@@ -124,6 +124,13 @@ class NvmeGradientSwapper {
   }
   int64_t block_bytes(size_t group, int64_t block) const;
   at::Tensor take_buffer();
+  // Calls fn(block, offset in it, offset in the range, length) for each
+  // block piece of [offset, offset + length) of group `group`.
+  template <typename F>
+  void for_each_block_piece(size_t group, int64_t offset, int64_t length, F&& fn) const;
+  // A pool buffer holding block `block`'s contents so far (zeros where
+  // nothing was written since clear()).
+  at::Tensor load_block(size_t group, int64_t block);
   void accumulate_now(size_t group, int64_t offset, const at::Tensor& values);
   void write_now(size_t group, int64_t offset, const at::Tensor& values);
   // Waits for every write, keeping the first failure.
