@@ -14,13 +14,14 @@ divided by the baseline's step time in the same step, with the 25th and 75th
 percentiles of that ratio, and the median time of each phase (forward,
 backward, optimizer step) on rank 0. A step's time runs from a barrier to a
 barrier, so it is the slowest rank's. Memory is run_benchmarks.py's business.
-Results: benchmarks/results/paired.md.
+Results: benchmarks/results/paired.md (and paired.json: every round's figures, rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import resource
@@ -177,6 +178,9 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".md", "w") as f:
         f.write(text)
+    # Every round's figures (rank 0), for looking at a spread rather than its summary.
+    with open(args.out + ".json", "w") as f:
+        json.dump({"variants": args.variants, "phases": rank0, "faults": faults0}, f)
     print(text)
 
 

@@ -96,9 +96,24 @@ void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& gr
 void ZeroOptimizer::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
-      shards_[g].grad_shard = zeros_buffer(layout_->group(g).shard_numel(), grad_shard_options(g));
+      shards_[g].grad_shard = new_stage1_grad_shard(g);
     }
   }
+}
+
+// [Note: the stage-1 shard between steps]
+// ZeRO-1 needs the gradient shard only from the reduction to the end of the
+// update. It used to be a mapping of its own each step, unmapped at
+// zero_grad(): every step then faulted Psi/N x 4 bytes in again, and on 2 CPU
+// ranks the step time swung by up to 2.5x from one step to the next
+// (benchmarks/results/step_time_changes.md). It now comes from a pool of its
+// own: freed at zero_grad() as before (gradient_bytes() no longer counts it),
+// but the mapping is kept for the next step, counted by cached_buffer_bytes()
+// and given back by release_cached_buffers(), as CUDA's caching allocator
+// keeps the same shard on a GPU until torch.cuda.empty_cache().
+at::Tensor ZeroOptimizer::new_stage1_grad_shard(size_t g) {
+  return stage1_grad_shard_pool_.empty(layout_->group(g).shard_numel(), grad_shard_options(g))
+      .zero_();
 }
 
 bool ZeroOptimizer::stage1_copies_current() {
@@ -173,7 +188,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
     // complete, and launch, one after another.
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
-      shards_[g].grad_shard = zeros_buffer(layout_->group(g).shard_numel(), grad_shard_options(g));
+      shards_[g].grad_shard = new_stage1_grad_shard(g);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -316,7 +331,7 @@ std::vector<Communicator*> ZeroOptimizer::communicators() const {
 }
 
 int64_t ZeroOptimizer::cached_buffer_bytes() const {
-  int64_t bytes = buckets_->cached_bytes();
+  int64_t bytes = buckets_->cached_bytes() + stage1_grad_shard_pool_.cached_bytes();
   for (const Communicator* comm : communicators()) {
     bytes += comm->cached_bytes();
   }
@@ -326,7 +341,7 @@ int64_t ZeroOptimizer::cached_buffer_bytes() const {
 int64_t ZeroOptimizer::release_cached_buffers() {
   // What each pool unmapped, counted as it is unmapped: a buffer freed
   // between a count and the release would otherwise go uncounted.
-  int64_t bytes = buckets_->release_cached_buffers();
+  int64_t bytes = buckets_->release_cached_buffers() + stage1_grad_shard_pool_.clear();
   for (Communicator* comm : communicators()) {
     bytes += comm->release_cached_buffers();
   }

@@ -2,7 +2,9 @@
 
 Gradient staging, reduce-scatter outputs and the all-to-all's receive rows
 come from a pool that holds freed mappings between steps (their pages would
-otherwise fault in again every step). ``release_cached_buffers`` unmaps them,
+otherwise fault in again every step), and so does stage 1's gradient shard,
+freed at the end of each step but kept for the next one.
+``release_cached_buffers`` unmaps them,
 as ``torch.cuda.empty_cache`` empties CUDA's cache: the resident memory (RSS,
 what the machine runs out of) must drop by what it reports, and training
 afterwards must be exactly what it would have been.
@@ -80,3 +82,40 @@ def test_released_buffers_leave_the_process_and_training_is_unchanged(stage: int
             result["released"]["params"], result["kept"]["params"], strict=True
         ):
             assert torch.equal(released, kept)
+
+
+def _stage1_shard(rank: int, world_size: int) -> dict[str, Any]:
+    # 20 layers of 40K elements and buckets of 50K: every staging buffer is
+    # below the size from which buffers are mappings, so the shard (~1.6 MB a
+    # rank) is the one thing the pools can hold.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(199, 199) for _ in range(20)])
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), stage=1, lr=1e-3, reduce_bucket_size=50_000
+    )
+    numel = sum(p.numel() for p in model.parameters())
+    page = os.sysconf("SC_PAGE_SIZE")
+    shard_bytes = -(-(-(-numel // world_size) * 4) // page) * page
+    generator = torch.Generator().manual_seed(rank)
+    figures: dict[str, list[int]] = {"cached": [], "gradient_bytes": []}
+    for _ in range(3):
+        inputs = torch.randn(BATCH, 199, generator=generator)
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        figures["cached"].append(optimizer.cached_buffer_bytes())
+        figures["gradient_bytes"].append(optimizer.gradient_bytes())
+    released = optimizer.release_cached_buffers()
+    return {"figures": figures, "shard_bytes": shard_bytes, "released": released}
+
+
+def test_stage1_gradient_shard_is_kept_between_steps_and_released_on_demand() -> None:
+    # [Note: the stage-1 shard between steps]: a fresh mapping each step
+    # faulted the shard in again and made stage 1's step time swing.
+    for result in unwrap(run_ranks(2, _stage1_shard)):
+        figures, shard_bytes = result["figures"], result["shard_bytes"]
+        print(f"stage 1 shard {shard_bytes} B; after each step {figures}")
+        assert figures["gradient_bytes"] == [0, 0, 0], "the step frees the shard"
+        assert figures["cached"] == [shard_bytes] * 3, "its mapping stays pooled, one of it"
+        assert result["released"] == shard_bytes

@@ -51,8 +51,9 @@ at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options);
 // holds plus what is out never exceeds its buffers' high-water mark, so it
 // holds at rest (between steps, while the next forward runs) up to what one
 // step had out at once, as CUDA's caching allocator would; clear() gives that
-// back. Buffers that must leave the process when released (gathered stage-3
-// units, the stage-1 gradient shard) do not come from a pool.
+// back. Gathered stage-3 units must leave the process when released and do
+// not come from a pool; the stage-1 gradient shard has a pool of its own
+// ([Note: the stage-1 shard between steps]).
 class HostBufferPool {
  public:
   HostBufferPool();

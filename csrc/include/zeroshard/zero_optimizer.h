@@ -24,6 +24,7 @@
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/nvme_parameter_swapper.h"
 #include "zeroshard/offloaded_optimizer_state.h"
 #include "zeroshard/parameter_gatherer.h"
@@ -432,6 +433,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // .grad holds on every rank (see [Note: stage 1 overlap]).
   bool stage1_copies_current();
   void ensure_stage1_grad_shards();
+  // A zeroed stage-1 gradient shard for group g, from stage1_grad_shard_pool_.
+  at::Tensor new_stage1_grad_shard(size_t g);
   bool uses_gradient_hooks() const {
     return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm() &&
                                      options_.stage1_reduce_in_backward());
@@ -487,6 +490,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // With offload_param on NVMe: the stage-3 parameter shards (then
   // GroupShards::param_shard is undefined).
   std::unique_ptr<NvmeParameterSwapper> param_swapper_;
+  // Stage 1's gradient shard lives for a step (or from backward to step()),
+  // and a fresh mapping each step faulted its pages in again and made the
+  // step time swing (see [Note: the stage-1 shard between steps]).
+  HostBufferPool stage1_grad_shard_pool_;
   std::vector<GroupShards> shards_;
   // Stages 1-2: this step's parameter all-gathers in flight (their input is
   // this rank's slice of flat_param), and per group how many buckets have
