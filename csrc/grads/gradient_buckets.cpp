@@ -168,6 +168,7 @@ void GradientBuckets::launch_ready() {
 // completed (unused parameters) go last, in layout order.
 void GradientBuckets::finish_round() {
   rounds_since_reset_ += 1;
+  shard_holds_round_ = true;
   // Every rank adopts (a broadcast), whatever it saw: a rank whose buckets
   // all lacked a gradient (a parameter only other ranks used) completed none
   // of them, and skipping the broadcast there left the others waiting in it.
@@ -223,7 +224,11 @@ void GradientBuckets::launch(size_t g, size_t b) {
   state.launched = true;
   InFlight entry;
   entry.staging = std::move(state.staging);
-  entry.output = buffer_pool_.empty(bucket.shard_numel, grad_options_[g]);
+  // See [Note: the first round writes the shard].
+  entry.in_shard = !shard_holds_round_ && first_round_writes_shard(g);
+  entry.output = entry.in_shard
+                     ? grad_shard_of_(g).narrow(0, bucket.shard_offset, bucket.shard_numel)
+                     : buffer_pool_.empty(bucket.shard_numel, grad_options_[g]);
   entry.group = g;
   entry.bucket = b;
   comm_.note("bucket_ready", bucket_tag(g, b));
@@ -238,7 +243,9 @@ void GradientBuckets::complete_oldest() {
   InFlight entry = std::move(in_flight_.front());
   in_flight_.pop_front();
   const Bucket& bucket = layout_.group(entry.group).buckets()[entry.bucket];
-  if (!sink_ || !sink_(entry.group, bucket.shard_offset, entry.output)) {
+  if (entry.in_shard) {
+    // Reduced in place.
+  } else if (!sink_ || !sink_(entry.group, bucket.shard_offset, entry.output)) {
     host_receiver_.receive(
         grad_shard_of_(entry.group).narrow(0, bucket.shard_offset, bucket.shard_numel),
         entry.output);
@@ -293,6 +300,12 @@ void GradientBuckets::reset() {
     std::fill(flags.begin(), flags.end(), false);
   }
   rounds_since_reset_ = 0;
+  shard_holds_round_ = false;
+}
+
+void GradientBuckets::set_first_round_writes_shard(std::vector<bool> writes) {
+  TORCH_INTERNAL_ASSERT(writes.size() == buckets_.size() && in_flight_.empty() && !round_started_);
+  first_round_writes_shard_ = std::move(writes);
 }
 
 }  // namespace zeroshard

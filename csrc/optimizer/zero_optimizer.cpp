@@ -255,6 +255,17 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
         },
         [swapper] { swapper->flush(); });
   }
+  // See [Note: the first round writes the shard]: a shard read in place, on
+  // the buckets' device and in their dtype (not offloaded across devices,
+  // not widened, not swapped to NVMe).
+  std::vector<bool> first_round_writes(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const at::TensorOptions shard = grad_shard_options(g);
+    first_round_writes[g] = swapped_gradients(g) == nullptr &&
+                            shard.device() == grad_options[g].device() &&
+                            shard.dtype() == grad_options[g].dtype();
+  }
+  buckets_->set_first_round_writes_shard(std::move(first_round_writes));
   set_bucket_expectations();
   bool waiting_for_adoption = false;
   for (const auto& group : replacements_) {

@@ -23,11 +23,14 @@ namespace zeroshard {
 void ZeroOptimizer::clear_gradient_shards() {
   buckets_->wait_all();
   buckets_->reset();
-  for (auto& shard : shards_) {
-    if (options_.stage() >= 2 && shard.grad_shard.defined()) {
-      shard.grad_shard.zero_();
-    } else if (options_.stage() == 1) {
-      shard.grad_shard = at::Tensor();
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    at::Tensor& shard = shards_[g].grad_shard;
+    if (options_.stage() == 1) {
+      shard = at::Tensor();
+    } else if (shard.defined() && !buckets_->first_round_writes_shard(g)) {
+      // Otherwise the next round overwrites it before anything reads it
+      // ([Note: the first round writes the shard]).
+      shard.zero_();
     }
   }
   if (offloaded_ && offloaded_->gradient_swapper()) {
@@ -112,8 +115,11 @@ void ZeroOptimizer::ensure_stage1_grad_shards() {
 // and given back by release_cached_buffers(), as CUDA's caching allocator
 // keeps the same shard on a GPU until torch.cuda.empty_cache().
 at::Tensor ZeroOptimizer::new_stage1_grad_shard(size_t g) {
-  return stage1_grad_shard_pool_.empty(layout_->group(g).shard_numel(), grad_shard_options(g))
-      .zero_();
+  at::Tensor shard =
+      stage1_grad_shard_pool_.empty(layout_->group(g).shard_numel(), grad_shard_options(g));
+  // Zeros only where a round adds into it ([Note: the first round writes
+  // the shard]): a shard is allocated after reset(), before its first round.
+  return buckets_->first_round_writes_shard(g) ? shard : shard.zero_();
 }
 
 bool ZeroOptimizer::stage1_copies_current() {

@@ -89,6 +89,19 @@ class GradientBuckets {
     sink_drain_ = std::move(drain);
   }
 
+  // [Note: the first round writes the shard]
+  // The groups for which `writes[g]` is set have their first round after each
+  // reset() reduce-scattered straight into the gradient shard: the shard's
+  // contents before that round are never read, so its owner need not zero
+  // it, and the round saves an output buffer and a pass adding it in. Later
+  // rounds (a second synced backward before the step) add as before. Only
+  // for groups whose shard has the buckets' device and dtype and takes no
+  // sink; ZeroOptimizer decides, once, and asks first_round_writes_shard().
+  void set_first_round_writes_shard(std::vector<bool> writes);
+  bool first_round_writes_shard(size_t group) const {
+    return group < first_round_writes_shard_.size() && first_round_writes_shard_[group];
+  }
+
   // Starts a new accumulation window: forgets which parameters reported.
   // Call only with nothing in flight and no round open.
   void reset();
@@ -121,8 +134,9 @@ class GradientBuckets {
   };
   struct InFlight {
     PendingCollective work;
-    at::Tensor staging;  // kept alive until the collective completed
-    at::Tensor output;   // 1D, bucket.shard_numel
+    at::Tensor staging;     // kept alive until the collective completed
+    at::Tensor output;      // 1D, bucket.shard_numel
+    bool in_shard = false;  // output is the shard's own slice: nothing to deliver
     size_t group = 0;
     size_t bucket = 0;
   };
@@ -157,6 +171,9 @@ class GradientBuckets {
   size_t next_launch_ = 0;  // index into order_
   bool round_started_ = false;
   int64_t rounds_since_reset_ = 0;
+  // A round finished since reset(): the shard holds a sum to add to.
+  bool shard_holds_round_ = false;
+  std::vector<bool> first_round_writes_shard_;  // [group]
   std::deque<InFlight> in_flight_;
   std::vector<std::vector<bool>> reported_;          // [group][param]
   std::vector<std::vector<bool>> expects_gradient_;  // [group][param]

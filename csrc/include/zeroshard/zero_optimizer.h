@@ -433,7 +433,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // .grad holds on every rank (see [Note: stage 1 overlap]).
   bool stage1_copies_current();
   void ensure_stage1_grad_shards();
-  // A zeroed stage-1 gradient shard for group g, from stage1_grad_shard_pool_.
+  // A stage-1 gradient shard for group g, from stage1_grad_shard_pool_:
+  // zeroed unless its first round writes it.
   at::Tensor new_stage1_grad_shard(size_t g);
   bool uses_gradient_hooks() const {
     return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm() &&
