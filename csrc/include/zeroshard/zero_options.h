@@ -55,7 +55,8 @@ struct ZeroOptions {
   // Stage 1: reduce-scatter during backward from the gradient hooks (as stage
   // 2) while keeping .grad; see [Note: stage 1 overlap]. Off by default: it
   // holds the gradient shard (Psi/N) from backward to the step, beyond the
-  // ZeRO-1 figure, and its speed-up on CPU was within this machine's noise.
+  // ZeRO-1 figure, and on 2 CPU ranks it was no faster than reducing in
+  // step() (benchmarks/results/step_time_changes.md).
   TORCH_ARG(bool, stage1_reduce_in_backward) = false;
   // A step whose reduced gradients hold inf or NaN on any rank is skipped on
   // every rank (agreed in the step's one flag all-reduce): fp16 loss scaling,
