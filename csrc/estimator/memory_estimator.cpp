@@ -243,7 +243,9 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     const double ranks = static_cast<double>(options.ranks_per_node());
     // Stage 1's shard is a transient of step() (or lives from backward to
     // step() with stage1_reduce_in_backward): not counted, as on the device
-    // without offload.
+    // without offload, where a CPU device's pool (or CUDA's caching
+    // allocator) keeps its memory between steps as cache
+    // (cached_buffer_bytes(), [Note: the stage-1 shard between steps]).
     if (swapped) {
       // NvmeGradientSwapper: the fp32 shard on disk; between steps its pool
       // keeps at most buffer_count blocks (rounding to 4 KiB ignored).
