@@ -3,7 +3,8 @@
 // it held (NaN here), so its owner need not zero it; a second round adds to
 // that sum; reset() makes the next round write again. Without the flag the
 // round adds into what the shard held. 3 ranks, uneven parameters, buckets
-// with padding.
+// with padding; both of Gloo's reduce-scatters (zeroshard's all-to-all and
+// c10d's emulation), each writing into a view of the shard.
 #include "zeroshard/gradient_buckets.h"
 
 #ifdef ZEROSHARD_WITH_GLOO
@@ -61,10 +62,12 @@ struct Rounds {
   at::Tensor expected;
 };
 
-Rounds RunRounds(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool writes) {
+Rounds RunRounds(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool writes,
+                 bool all_to_all) {
   const PartitionLayout layout({kNumels}, kWorld, /*bucket_numel=*/16);
   const GroupLayout& group = layout.group(0);
   Communicator comm(pg);
+  comm.set_reduce_scatter_all_to_all(all_to_all);
   at::Tensor shard;
   GradientBuckets buckets(
       layout, comm, {at::TensorOptions().dtype(at::kFloat)},
@@ -93,10 +96,12 @@ Rounds RunRounds(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, boo
   return result;
 }
 
-TEST(GradientBucketsTest, TheFirstRoundAfterResetWritesTheShardLaterRoundsAdd) {
+class GradientBucketsTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GradientBucketsTest, TheFirstRoundAfterResetWritesTheShardLaterRoundsAdd) {
   std::vector<Rounds> results(kWorld);
   auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    results[rank] = RunRounds(rank, pg, /*writes=*/true);
+    results[rank] = RunRounds(rank, pg, /*writes=*/true, /*all_to_all=*/GetParam());
   });
   for (int rank = 0; rank < kWorld; ++rank) {
     ASSERT_EQ(errors[rank], "") << "rank " << rank;
@@ -107,10 +112,10 @@ TEST(GradientBucketsTest, TheFirstRoundAfterResetWritesTheShardLaterRoundsAdd) {
   }
 }
 
-TEST(GradientBucketsTest, WithoutTheFlagTheRoundAddsIntoWhatTheShardHeld) {
+TEST_P(GradientBucketsTest, WithoutTheFlagTheRoundAddsIntoWhatTheShardHeld) {
   std::vector<Rounds> results(kWorld);
   auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    results[rank] = RunRounds(rank, pg, /*writes=*/false);
+    results[rank] = RunRounds(rank, pg, /*writes=*/false, /*all_to_all=*/GetParam());
   });
   for (int rank = 0; rank < kWorld; ++rank) {
     ASSERT_EQ(errors[rank], "") << "rank " << rank;
@@ -118,6 +123,11 @@ TEST(GradientBucketsTest, WithoutTheFlagTheRoundAddsIntoWhatTheShardHeld) {
     EXPECT_TRUE(at::isnan(results[rank].first).all().item<bool>()) << "rank " << rank;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(GlooReduceScatter, GradientBucketsTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "AllToAll" : "C10dEmulation";
+                         });
 
 #endif  // ZEROSHARD_WITH_GLOO
 
