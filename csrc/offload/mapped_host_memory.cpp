@@ -3,7 +3,6 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
@@ -101,13 +100,6 @@ at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
     return mapped_host_empty(numel, c10::typeMetaToScalarType(options.dtype()));
   }
   return at::empty({numel}, options);
-}
-
-at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options) {
-  if (mapped(numel, options)) {
-    return mapped_host_empty(numel, c10::typeMetaToScalarType(options.dtype()));  // zero pages
-  }
-  return at::zeros({numel}, options);
 }
 
 // The pool's bookkeeping. Every buffer's deleter holds a reference, so it

@@ -106,12 +106,12 @@ void ZeroOptimizer::ensure_stage1_grad_shards() {
 
 // [Note: the stage-1 shard between steps]
 // ZeRO-1 needs the gradient shard only from the reduction to the end of the
-// update. It used to be a mapping of its own each step, unmapped at
-// zero_grad(): every step then faulted Psi/N x 4 bytes in again, and on 2 CPU
-// ranks the step time swung by up to 2.5x from one step to the next
+// update. It used to be a mapping of its own each step, unmapped when the
+// step ended: every step then faulted Psi/N x 4 bytes in again, and on 2 CPU
+// ranks the step phase swung between 180 and 560 ms from one step to the next
 // (benchmarks/results/step_time_changes.md). It now comes from a pool of its
-// own: freed at zero_grad() as before (gradient_bytes() no longer counts it),
-// but the mapping is kept for the next step, counted by cached_buffer_bytes()
+// own: freed when the step ends as before (gradient_bytes() does not count it
+// between steps), but the mapping is kept for the next step, counted by cached_buffer_bytes()
 // and given back by release_cached_buffers(), as CUDA's caching allocator
 // keeps the same shard on a GPU until torch.cuda.empty_cache().
 at::Tensor ZeroOptimizer::new_stage1_grad_shard(size_t g) {

@@ -60,6 +60,7 @@ struct Rounds {
   at::Tensor second;       // after a second round without reset()
   at::Tensor after_reset;  // after reset() and a round, over NaN again
   at::Tensor expected;
+  std::string error;
 };
 
 Rounds RunRounds(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool writes,
@@ -96,16 +97,25 @@ Rounds RunRounds(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, boo
   return result;
 }
 
+// RunRounds on every rank; error: that rank's failure, "" when it succeeded.
+std::vector<Rounds> RunOnEveryRank(bool writes, bool all_to_all) {
+  std::vector<Rounds> results(kWorld);
+  const auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    results[rank] = RunRounds(rank, pg, writes, all_to_all);
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    results[rank].error = errors[rank];
+  }
+  return results;
+}
+
 class GradientBucketsTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GradientBucketsTest, TheFirstRoundAfterResetWritesTheShardLaterRoundsAdd) {
-  std::vector<Rounds> results(kWorld);
-  auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    results[rank] = RunRounds(rank, pg, /*writes=*/true, /*all_to_all=*/GetParam());
-  });
+  const auto results = RunOnEveryRank(/*writes=*/true, /*all_to_all=*/GetParam());
   for (int rank = 0; rank < kWorld; ++rank) {
-    ASSERT_EQ(errors[rank], "") << "rank " << rank;
     const Rounds& r = results[rank];
+    ASSERT_EQ(r.error, "") << "rank " << rank;
     EXPECT_TRUE(at::equal(r.first, r.expected)) << "rank " << rank << ": " << r.first;
     EXPECT_TRUE(at::equal(r.second, r.expected * 2)) << "rank " << rank << ": " << r.second;
     EXPECT_TRUE(at::equal(r.after_reset, r.expected)) << "rank " << rank << ": " << r.after_reset;
@@ -113,12 +123,9 @@ TEST_P(GradientBucketsTest, TheFirstRoundAfterResetWritesTheShardLaterRoundsAdd)
 }
 
 TEST_P(GradientBucketsTest, WithoutTheFlagTheRoundAddsIntoWhatTheShardHeld) {
-  std::vector<Rounds> results(kWorld);
-  auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    results[rank] = RunRounds(rank, pg, /*writes=*/false, /*all_to_all=*/GetParam());
-  });
+  const auto results = RunOnEveryRank(/*writes=*/false, /*all_to_all=*/GetParam());
   for (int rank = 0; rank < kWorld; ++rank) {
-    ASSERT_EQ(errors[rank], "") << "rank " << rank;
+    ASSERT_EQ(results[rank].error, "") << "rank " << rank;
     // NaN + the sum: what an owner that skipped zeroing would have got.
     EXPECT_TRUE(at::isnan(results[rank].first).all().item<bool>()) << "rank " << rank;
   }

@@ -28,13 +28,12 @@ c10::Allocator* mapped_host_allocator();
 at::Tensor mapped_host_empty(int64_t numel, c10::ScalarType dtype);
 
 // The library's buffers that come and go during training (gathered stage-3
-// units, reduce-scatter staging and outputs, gradient shards): 1D, `numel`
-// elements of `options`; on the CPU (not pinned) and at least
-// kMappedBufferBytes large, a mapping of its own, at::empty / at::zeros
-// otherwise (small blocks are reused from the heap at no cost in RSS).
+// units here; the step's recurring buffers through HostBufferPool below):
+// 1D, `numel` elements of `options`; on the CPU (not pinned) and at least
+// kMappedBufferBytes large, a mapping of its own, at::empty otherwise
+// (small blocks are reused from the heap at no cost in RSS).
 constexpr int64_t kMappedBufferBytes = int64_t{256} << 10;
 at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options);
-at::Tensor zeros_buffer(int64_t numel, const at::TensorOptions& options);
 
 // [Note: recycled step buffers]
 // Some of those buffers recur every step at the same sizes: gradient staging,
