@@ -424,9 +424,17 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
     validate_inner_options(inner_kind_, param_groups_[g].options());
     ensure_state_tensors(g);
   }
+  const std::string detached = reattach_parameters();
   finish_gradient_reduction();
   bool overflow = false;
-  const auto has_grad = global_grad_presence(&overflow);
+  bool any_detached = false;
+  const auto has_grad = global_grad_presence(&overflow, !detached.empty(), &any_detached);
+  if (any_detached) {
+    // Every rank saw the flag; the names come from the ranks that have them.
+    // Nothing is updated and the gradients stay for a retry.
+    const std::string agreed = agreed_error(detached, "detached_parameters");
+    TORCH_CHECK(false, "zeroshard: step() refused ", agreed);
+  }
   overflow = overflow || skip_requested_;
   skip_requested_ = false;
   last_step_skipped_ = overflow;

@@ -388,13 +388,16 @@ void ZeroOptimizer::set_loss_scale(double scale) {
   loss_scale_ = scale;
 }
 
-std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflow) {
+std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflow, bool detached,
+                                                                   bool* any_detached) {
   int64_t total = 0;
   for (const auto& group : param_groups_) {
     total += static_cast<int64_t>(group.params().size());
   }
-  // The last flag: this rank's reduced gradients hold inf/NaN.
-  at::Tensor flags = at::zeros({total + 1}, at::kInt);
+  // The last two flags: this rank's reduced gradients hold inf/NaN; one of
+  // its parameters left the optimizer's storage.
+  at::Tensor flags = at::zeros({total + 2}, at::kInt);
+  flags[total + 1] = detached ? 1 : 0;
   if (options_.skip_nonfinite_steps()) {
     bool finite = true;
     for (size_t g = 0; g < shards_.size(); ++g) {
@@ -417,12 +420,13 @@ std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflo
   // inf/NaN in one piece skips the step on every piece; presence stays this
   // rank's own (under expert parallelism the group's ranks hold other
   // parameters at the same indices).
-  at::Tensor overflow_flag = flags.narrow(0, total, 1).clone();
+  at::Tensor overflow_flag = flags.narrow(0, total, 2).clone();
   max_across_tensor_parallel(overflow_flag, "overflow");
-  flags.narrow(0, total, 1).copy_(overflow_flag);
+  flags.narrow(0, total, 2).copy_(overflow_flag);
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
   *overflow = data[total] != 0;
+  *any_detached = data[total + 1] != 0;
   std::vector<std::vector<bool>> has_grad(param_groups_.size());
   index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {

@@ -22,6 +22,7 @@ from zeroshard.offload import aio_options, offload_options
 from zeroshard.optimizer_state import _LIVE, OptimizerState
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
+from zeroshard.sharded_parameter import adopt_sharded_parameters
 from zeroshard.units import materialize, plan_units, register_hooks
 
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
@@ -397,6 +398,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
                 )
                 self._units = units
             self._hook_handles = register_hooks(self._impl, units, module)
+            # [Note: a released parameter refuses reads]
+            mine = {id(p) for group in self.param_groups for p in group["params"]}
+            named = self._param_names or []
+            adopt_sharded_parameters((n, p) for n, p in named if id(p) in mine)
         if tp.active and any(p.is_meta for group in self.param_groups for p in group["params"]):
             raise ValueError("tensor-parallel (DTensor) models must be materialized first")
 

@@ -13,75 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+
+from rank_processes import last_json, run_rank_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 SCENARIOS = os.path.join(HERE, "scripts", "exit_scenarios.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(
-    args: list[str],
-    world: int = 2,
-    timeout: float = 120,
-    extra_env: dict[str, str] | None = None,
-    waited: int | None = None,
-) -> list[tuple[int, str]]:
-    """Runs ``exit_scenarios.py args`` on ``world`` ranks; (exit code, output) per rank.
-
-    With ``waited``, only the first ``waited`` ranks are waited for; the rest
-    are killed once those exited (a stalled rank).
-    """
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            OMP_NUM_THREADS="1",
-            **(extra_env or {}),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, SCENARIOS, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    for proc in procs[:waited]:
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"{args} did not exit within {timeout}s (hang)") from None
-        results.append((proc.returncode, out))
-    for proc in procs[len(results) :]:
-        proc.kill()
-        proc.communicate()
-    return results
-
-
-def _last_json(output: str) -> dict:
-    lines = [line for line in output.splitlines() if line.startswith("{")]
-    assert lines, f"no result line in:\n{output}"
-    return json.loads(lines[-1])
+def _run_ranks(args: list[str], **kwargs: Any) -> list[tuple[int, str]]:
+    return run_rank_processes(SCENARIOS, args, **kwargs)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -91,7 +37,7 @@ def test_destroy_process_group_stops_gloo_threads(stage: int) -> None:
     # were still alive here, at every stage, and ran into interpreter exit.
     for rank, (code, out) in enumerate(_run_ranks(["threads", str(stage)])):
         assert code == 0, f"rank {rank} exited with {code}:\n{out}"
-        threads = _last_json(out)["threads"]
+        threads = last_json(out)["threads"]
         assert "pt_gloo_runloop" not in threads, f"rank {rank}: Gloo threads left: {threads}"
 
 
@@ -100,7 +46,7 @@ def test_collective_in_flight_at_destroy_exits_cleanly() -> None:
     # the destroy waits for the collective instead of leaving it to exit.
     for rank, (code, out) in enumerate(_run_ranks(["late"])):
         assert code == 0, f"rank {rank} exited with {code}:\n{out}"
-        assert "pt_gloo_runloop" not in _last_json(out)["threads"]
+        assert "pt_gloo_runloop" not in last_json(out)["threads"]
 
 
 def test_main_job_exits_cleanly_every_time() -> None:
@@ -166,7 +112,7 @@ def test_examples_free_their_process_group_at_destroy(argv: list[str]) -> None:
     runs = _run_ranks(["example", *argv, "--steps", "2"])
     for rank, (code, out) in enumerate(runs):
         assert code == 0, f"rank {rank} exited with {code}:\n{out}"
-        threads = _last_json(out)["threads"]
+        threads = last_json(out)["threads"]
         assert "pt_gloo_runloop" not in threads, f"rank {rank}: Gloo threads left: {threads}"
 
 
@@ -231,7 +177,7 @@ def test_lost_rank_is_named_by_every_other_rank(kind: str, stage: int) -> None:
     )
     for rank, (code, out) in enumerate(results):
         assert code == 3, f"rank {rank} exited with {code} (3: raised as expected):\n{out}"
-        report = _last_json(out)
+        report = last_json(out)
         error = report["error"]
         print(f"{kind} stage {stage} rank {rank}: {report['seconds']:.1f} s: {error[:240]}")
         assert "rank 2 is lost" in error, error

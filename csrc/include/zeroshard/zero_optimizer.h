@@ -420,8 +420,19 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
-  // inf/NaN (the same collective).
-  std::vector<std::vector<bool>> global_grad_presence(bool* overflow);
+  // inf/NaN; *any_detached whether any rank passed detached = true (the same
+  // collective).
+  std::vector<std::vector<bool>> global_grad_presence(bool* overflow, bool detached,
+                                                      bool* any_detached);
+  // [Note: parameters that left the optimizer's storage]
+  // (zero_optimizer_attachment.cpp): re-attaches parameters copied with their
+  // values unchanged (model.to("cpu:0")); returns what could not be (moved to
+  // another device or dtype, other values), "" when every parameter is
+  // attached. Local: the step agrees on it.
+  std::string reattach_parameters();
+  // The buffer whose storage parameter (g, i) must view, and the storage
+  // offset it must start at.
+  std::pair<const at::Tensor*, int64_t> attached_place(size_t g, size_t i) const;
   // Brings every rank's gradient shard to the averaged gradient (idempotent
   // until the next step): stage 1 reduces .grad now, stage 2 flushes what the
   // hooks left.
