@@ -136,6 +136,8 @@ class Engine:
         Returns the checkpoint's path.
         """
         self.optimizer._tensor_parallel.check_checkpointable()
+        # What the next step uses (see ZeroOptimizer.save_checkpoint).
+        self.optimizer._impl.set_hyperparameters(self.optimizer._hyperparameters())
         replicated_files = {"buffers.pt": _to_bytes(_persistent_buffers(self.module))}
         if client_state is not None:
             replicated_files["client_state.pt"] = _to_bytes(client_state)

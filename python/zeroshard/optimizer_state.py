@@ -105,6 +105,10 @@ class OptimizerState:
         load, ``wait_for_checkpoint()`` or exit waits for it.
         """
         self._tensor_parallel.check_checkpointable()
+        # The core holds the hyper-parameters of the last step(); a scheduler
+        # has changed the lr since. The checkpoint keeps what the next step
+        # uses (it restores them on load).
+        self._impl.set_hyperparameters(self._hyperparameters())
         self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
