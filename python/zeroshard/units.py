@@ -171,9 +171,15 @@ def register_hooks(
     return handles
 
 
-# What ATen says when an op touches a released parameter (see [Note: Released
-# parameters] in parameter_gatherer.h).
-_RELEASED_READ_MESSAGES = ("storage of size 0", "data is not allocated")
+# What an op that touches a released parameter raises: ShardedParameter's
+# refusal ([Note: a released parameter refuses reads]), or ATen's own checks
+# for tensors that are not ShardedParameters (see [Note: Released parameters]
+# in parameter_gatherer.h).
+_RELEASED_READ_MESSAGES = (
+    "released between gathers",
+    "storage of size 0",
+    "data is not allocated",
+)
 
 
 @dataclass(frozen=True)
