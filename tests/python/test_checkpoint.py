@@ -650,3 +650,47 @@ def test_saving_over_a_checkpoint_and_over_an_interrupted_save_replaces_them(
     _run(2, stage=2, first=0, steps=0, load=str(target), save=str(tmp_path / "again"))
     _assert_same_states(target, tmp_path / "again")
     assert any(not torch.equal(first[k], second[k]) for k in first)
+
+
+# ---- A scheduler's learning rate ---------------------------------------------------
+
+
+def _scheduled(rank: int, world: int, path: str, resume: bool) -> dict[str, Any]:
+    """AdamW under a LambdaLR that changes the lr every step; saves after step
+    2 (after the scheduler's step, as Trainer does), or resumes there."""
+    model, optimizer = _make({"stage": 2})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    first = 0
+    if resume:
+        optimizer.load_checkpoint(path)
+        state = torch.load(os.path.join(path, "..", "scheduler.pt"), weights_only=True)
+        scheduler.load_state_dict(state)
+        first = 2
+    lrs = []
+    for step in range(first, 4):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        tokens, targets = micro_batch(step, rank, world)
+        optimizer.zero_grad()
+        logits = model(tokens, step)
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        optimizer.step()
+        scheduler.step()
+        if step == 1 and not resume:
+            optimizer.save_checkpoint(path)
+            if rank == 0:
+                torch.save(scheduler.state_dict(), os.path.join(path, "..", "scheduler.pt"))
+    with optimizer.gathered_parameters():
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "lrs": lrs}
+
+
+def test_a_checkpoint_keeps_the_learning_rate_a_scheduler_set_after_the_step(
+    tmp_path: Path,
+) -> None:
+    # The core held the lr of the last step() and saved that one: a resumed
+    # run took its first step at the previous step's lr (found under Trainer,
+    # which saves right after lr_scheduler.step()).
+    path = str(tmp_path / "ckpt")
+    straight = unwrap(run_ranks(2, _scheduled, path, False))[0]
+    resumed = unwrap(run_ranks(2, _scheduled, path, True))[0]
+    assert resumed["lrs"] == straight["lrs"][2:], (resumed["lrs"], straight["lrs"])
+    assert max_abs_diff(resumed["params"], straight["params"]) == 0.0
