@@ -405,6 +405,16 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         if tp.active and any(p.is_meta for group in self.param_groups for p in group["params"]):
             raise ValueError("tensor-parallel (DTensor) models must be materialized first")
 
+    def name_parameters(self, module: torch.nn.Module) -> None:
+        """Names the parameters after ``module.named_parameters()`` (tied ones under
+        every name): checkpoint keys and ``full_state_dict()`` keys, as ``module=``
+        does at construction. A no-op where the optimizer has names already."""
+        if self._param_names is not None:
+            return
+        self._param_names = list(module.named_parameters(remove_duplicate=False))
+        tp = self._tensor_parallel
+        self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
+
     def _plan_units(
         self,
         module: torch.nn.Module,
