@@ -17,5 +17,9 @@ if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
   "$PYTHON" -m pip install -q hjson py-cpuinfo pydantic msgpack einops psutil nvidia-ml-py
 fi
 
+# The libraries the integration tests train inside (zeroshard.integrations);
+# the versions are the ones those tests pin down (setup.py's "hf" extra).
+"$PYTHON" -c "import accelerate" 2>/dev/null || "$PYTHON" -m pip install -q "accelerate>=1.10,<2"
+
 echo "== Python tests (pytest)"
 "$PYTHON" -m pytest tests/python -q -p no:cacheprovider "$@"

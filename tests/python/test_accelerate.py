@@ -114,3 +114,19 @@ def test_save_state_load_state_round_trip(tmp_path: Path) -> None:
     diff = _diff(other["params"], straight["params"])
     print(f"resumed on 1 rank at stage 3: {diff:.3e}")
     assert diff <= 1e-5, diff  # reduction order only (see the module docstring)
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    example = os.path.join(os.path.dirname(JOB), "..", "..", "..", "examples", "accelerate_gpt2.py")
+    root = os.path.join(os.path.dirname(JOB), "..", "..", "..", "python")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    for extra in ([], ["--resume"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             f"--master_port={free_port()}", example, "--stage", "3", "--steps", "5",
+             "--state-dir", str(tmp_path / "state"), *extra],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{extra}:\n{proc.stdout}\n{proc.stderr}"
+        assert "step 5 loss" in proc.stdout, proc.stdout
+    assert (tmp_path / "state" / "zeroshard" / "index.json").is_file()

@@ -190,3 +190,20 @@ def test_unsupported_arguments_raise_clear_errors(tmp_path: Path) -> None:
         fill_auto({"gradient_clipping": 5.0}, args, 2)
     with pytest.raises(ValueError, match="scheduler section"):
         fill_auto({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}, args, 2)
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    example = os.path.join(os.path.dirname(JOB), "..", "..", "..", "examples", "hf_trainer_gpt2.py")
+    root = os.path.join(os.path.dirname(JOB), "..", "..", "..", "python")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    out = tmp_path / "out"
+    for extra in ([], ["--resume", str(out / "checkpoint-2"), "--steps", "4"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             f"--master_port={free_port()}", example, "--stage", "3", "--steps", "2",
+             "--save-steps", "2", "--output-dir", str(out), *extra],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{extra}:\n{proc.stdout}\n{proc.stderr}"
+    assert (out / "checkpoint-4" / "zeroshard" / "index.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file()

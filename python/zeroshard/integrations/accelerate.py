@@ -1,6 +1,6 @@
 """zeroshard in a script launched with ``accelerate launch`` (or torchrun).
 
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(gradient_accumulation_steps=2)  # cpu=True on CPUs
     model.to(accelerator.device)                      # before building the optimizer
     optimizer = zeroshard.ZeroOptimizer(model.parameters(), stage=2, lr=1e-3)
     model, optimizer, loader, scheduler = zeroshard.integrations.accelerate.prepare(
@@ -34,6 +34,7 @@ import os
 import weakref
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.integrations import attach_no_sync, global_norm_clipper, unwrap_optimizer
@@ -53,6 +54,16 @@ def prepare(accelerator: Any, model: nn.Module, optimizer: ZeroOptimizer, *other
         raise TypeError(
             "zeroshard.integrations.accelerate.prepare expects a zeroshard.ZeroOptimizer, got "
             f"{type(optimizer).__name__}"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if accelerator.num_processes != world:
+        # E.g. `accelerate launch --multi_gpu` on a host without GPUs: accelerate
+        # falls back to one process per rank and would give each rank all the data.
+        raise RuntimeError(
+            f"accelerate sees {accelerator.num_processes} process(es) but the process group has "
+            f"{world} ranks, so its data loaders would not split the data between them. On "
+            "CPUs build Accelerator(cpu=True) and launch with torchrun; on GPUs launch with "
+            "`accelerate launch --multi_gpu --num_processes N` or torchrun"
         )
     device = accelerator.device
     elsewhere = [

@@ -23,7 +23,7 @@ weight decay, bf16. What it changes from ``Trainer``:
 - At stage 3 ``model.generate`` defaults to ``synced_gpus=True``, so ranks that
   stop at different lengths keep gathering with the others instead of hanging.
 
-Supported: transformers >= 4.56 (tested with 5.25) and accelerate >= 1.10
+Supported: transformers 5.x (tested with 5.25) and accelerate >= 1.10
 (tested with 1.15). Not supported, with a clear error: ``deepspeed=`` or FSDP
 in the ``TrainingArguments``, fp16 (use bf16), ``auto_find_batch_size``,
 ``optimizers=`` (the optimizer comes from the config), ``load_best_model_at_end``.
@@ -50,7 +50,7 @@ try:
     from transformers.trainer import SCHEDULER_NAME
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "zeroshard.integrations.hf needs transformers (pip install 'transformers>=4.56')"
+        "zeroshard.integrations.hf needs transformers (pip install 'zeroshard[hf]' or 'transformers>=5')"
     ) from error
 
 CHECKPOINT_SUBDIR = "zeroshard"
