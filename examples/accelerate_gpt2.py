@@ -37,7 +37,9 @@ def main() -> None:
     # cpu=True makes Accelerate run multi-CPU under torchrun (else it expects GPUs).
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4)
+    )
     model.to(accelerator.device)  # before the optimizer: it adopts the parameters' storage
     optimizer = zeroshard.ZeroOptimizer(
         model.parameters(),

@@ -22,7 +22,9 @@ from zeroshard.integrations.hf import ZeroTrainer
 
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, n: int, length: int, vocab: int) -> None:
-        self.tokens = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+        self.tokens = torch.randint(
+            0, vocab, (n, length), generator=torch.Generator().manual_seed(0)
+        )
 
     def __len__(self) -> int:
         return len(self.tokens)

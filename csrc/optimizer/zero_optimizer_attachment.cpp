@@ -69,7 +69,8 @@ std::string ZeroOptimizer::reattach_parameters() {
         continue;
       }
       const auto [buffer, offset] = attached_place(g, i);
-      const int64_t numel = layout_->group(g).slot_of_param(static_cast<int64_t>(i)).numel;
+      const ParamSlot& slot = layout_->group(g).slot_of_param(static_cast<int64_t>(i));
+      const int64_t numel = slot.numel;
       if (param.has_storage() &&
           param.storage().unsafeGetStorageImpl() == buffer->storage().unsafeGetStorageImpl() &&
           param.storage_offset() == offset && param.numel() == numel && param.is_contiguous()) {
@@ -85,10 +86,7 @@ std::string ZeroOptimizer::reattach_parameters() {
       } else if (param.scalar_type() != buffer->scalar_type()) {
         why << "was converted to " << param.scalar_type() << " (the optimizer holds it in "
             << buffer->scalar_type() << ")";
-      } else if (options_.stage() == 3 &&
-                 !gatherer_->materialized(g, layout_->group(g)
-                                                 .slot_of_param(static_cast<int64_t>(i))
-                                                 .bucket_index)) {
+      } else if (options_.stage() == 3 && !gatherer_->materialized(g, slot.bucket_index)) {
         why << "was given new storage while its stage-3 shard was released";
       } else {
         const at::Tensor view =
@@ -116,10 +114,11 @@ std::string ZeroOptimizer::reattach_parameters() {
   if (problems.size() > 3) {
     message << "; and " << problems.size() - 3 << " more";
   }
-  message << ". Move or convert the model before building the ZeroOptimizer "
-             "(model.to(device, dtype), then ZeroOptimizer(model.parameters(), ...)); change "
-             "values in place (p.copy_(...)) inside optimizer.gathered_parameters(modifier_rank=0), "
-             "or load them with load_checkpoint()";
+  message
+      << ". Move or convert the model before building the ZeroOptimizer "
+         "(model.to(device, dtype), then ZeroOptimizer(model.parameters(), ...)); change "
+         "values in place (p.copy_(...)) inside optimizer.gathered_parameters(modifier_rank=0), "
+         "or load them with load_checkpoint()";
   return message.str();
 }
 

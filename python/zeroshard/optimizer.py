@@ -20,9 +20,9 @@ from zeroshard.groups import data_parallel_groups
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.optimizer_state import _LIVE, OptimizerState
+from zeroshard.sharded_parameter import adopt_sharded_parameters
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
-from zeroshard.sharded_parameter import adopt_sharded_parameters
 from zeroshard.units import materialize, plan_units, register_hooks
 
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.

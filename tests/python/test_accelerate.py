@@ -49,7 +49,9 @@ def _job(out: Path, *args: str, world: int | None = 2) -> dict:
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{args} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    )
     result = json.loads((out / "result.json").read_text())
     result["params"] = torch.load(out / "params.pt")
     return result

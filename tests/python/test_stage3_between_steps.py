@@ -18,7 +18,9 @@ import pytest
 
 from rank_processes import last_json, run_rank_processes
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "stage3_between_steps.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "scripts", "stage3_between_steps.py"
+)
 
 # Operations that cannot have full values on one rank: a clear error.
 REFUSED = {

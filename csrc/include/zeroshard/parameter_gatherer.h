@@ -13,10 +13,15 @@
 // A released bucket keeps its tensor and every view of it (the model's
 // parameters, and whatever autograd saved) with their sizes, but its storage
 // holds no memory (nbytes 0, null data). Gathering allocates the storage again
-// and all-gathers into it, so the same Parameter objects see the values. An
-// op that touches a released parameter fails ("... out of bounds for storage
-// of size 0" or "... its data is not allocated yet") and never reads stale
-// memory: a parameter used outside its unit's forward (e.g. `x @ self.embed.weight.T`
+// and all-gathers into it, so the same Parameter objects see the values.
+// ATen alone does not make a read of a released parameter safe: kernels that
+// check the storage fail ("... out of bounds for storage of size 0", "... its
+// data is not allocated yet"), but others compute `nullptr + offset` and read
+// it (SIGSEGV: clone, copy_, a DDP broadcast). From Python every stage-3
+// parameter is a ShardedParameter that refuses such ops with an error naming
+// it ([Note: a released parameter refuses reads] in sharded_parameter.py); a
+// C++ program must not read a released parameter (pin_parameters gathers).
+// A parameter used outside its unit's forward (e.g. `x @ self.embed.weight.T`
 // in a parent module) must be in a unit whose forward encloses that use.
 //
 // When is a bucket held? While a forward of a unit that uses it runs

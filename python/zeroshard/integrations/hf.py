@@ -50,7 +50,8 @@ try:
     from transformers.trainer import SCHEDULER_NAME
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "zeroshard.integrations.hf needs transformers (pip install 'zeroshard[hf]' or 'transformers>=5')"
+        "zeroshard.integrations.hf needs transformers: pip install 'zeroshard[hf]' "
+        "(or 'transformers>=5')"
     ) from error
 
 CHECKPOINT_SUBDIR = "zeroshard"
@@ -77,7 +78,7 @@ def _fill(section: dict[str, Any], key: str, value: Any, where: str) -> None:
     ):
         raise ValueError(
             f"zeroshard_config {where}{key} = {current!r} but the TrainingArguments give "
-            f"{value!r}; set it to \"auto\" or make them agree"
+            f'{value!r}; set it to "auto" or make them agree'
         )
 
 
@@ -102,7 +103,9 @@ def fill_auto(config: dict[str, Any], args: Any, world_size: int) -> dict[str, A
     _fill(params, "lr", float(args.learning_rate), "optimizer.params.")
     _fill(params, "weight_decay", float(args.weight_decay), "optimizer.params.")
     if kind in ("adam", "adamw"):
-        _fill(params, "betas", [float(args.adam_beta1), float(args.adam_beta2)], "optimizer.params.")
+        _fill(
+            params, "betas", [float(args.adam_beta1), float(args.adam_beta2)], "optimizer.params."
+        )
         _fill(params, "eps", float(args.adam_epsilon), "optimizer.params.")
     for name, enabled in (("fp16", bool(args.fp16)), ("bf16", bool(args.bf16))):
         section = config.pop(name, None) or {}
@@ -110,7 +113,7 @@ def fill_auto(config: dict[str, Any], args: Any, world_size: int) -> dict[str, A
         if wanted != _AUTO and bool(wanted) != enabled:
             raise ValueError(
                 f"zeroshard_config {name}.enabled = {wanted!r} but TrainingArguments({name}="
-                f"{enabled}); set it to \"auto\" or make them agree"
+                f'{enabled}); set it to "auto" or make them agree'
             )
     scheduler = config.pop("scheduler", None)
     if scheduler is not None and any(v != _AUTO for v in scheduler.get("params", {}).values()):

@@ -25,6 +25,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(_HERE, "..", "..", "..", "python"), _HERE]
 
 from accelerate import Accelerator  # noqa: E402
+
 from hf_trainer_job import ACCUMULATION, GLOBAL_BATCH, Tokens, make_model  # noqa: E402
 
 
@@ -93,7 +94,9 @@ def main() -> None:
 
         state = full_model_state_dict(accelerator.unwrap_model(model), unwrap_optimizer(optimizer))
     else:
-        state = {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+        state = {
+            k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()
+        }
     if accelerator.is_main_process:
         torch.save(state, os.path.join(opts.out, "params.pt"))
         with open(os.path.join(opts.out, "result.json"), "w") as f:

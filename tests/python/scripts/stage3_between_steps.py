@@ -30,6 +30,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(_HERE, "..", "..", "..", "python"), os.path.join(_HERE, "..")]
 
 import zeroshard  # noqa: E402
+
 from tiny_models import SEQ, VOCAB, make_gpt  # noqa: E402
 
 
@@ -119,7 +120,9 @@ def op_metadata(model, optimizer) -> dict[str, Any]:
 def op_gathered_clone(model, optimizer) -> dict[str, Any]:
     full = full_values(optimizer, model)
     master = optimizer.full_state_dict(rank=dist.get_rank())
-    return {"off_master": max((full[n] - master[n]).abs().max().item() for n in full if n in master)}
+    return {
+        "off_master": max((full[n] - master[n]).abs().max().item() for n in full if n in master)
+    }
 
 
 OPS: dict[str, Callable[[nn.Module, zeroshard.ZeroOptimizer], dict[str, Any]]] = {
