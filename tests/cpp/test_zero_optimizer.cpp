@@ -192,9 +192,9 @@ TEST(ZeroOptimizerHybridTest, TwoShardGroupsOfTwoMatchLibTorchAtEveryStage) {
       EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
       EXPECT_GE(diffs[rank], 0.0);
       EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
-      // The last step: the fp32 gradient shard and the 5 + 1 presence and
-      // overflow flags (int32), nothing else.
-      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 1))
+      // The last step: the fp32 gradient shard and the 5 + 2 presence,
+      // overflow and detached-parameter flags (int32), nothing else.
+      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 2))
           << "stage " << stage << " rank " << rank;
       EXPECT_EQ(replica_gathers[rank], 0) << "stage " << stage << " rank " << rank;
     }

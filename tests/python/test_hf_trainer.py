@@ -209,3 +209,14 @@ def test_the_example_trains_saves_and_resumes(tmp_path: Path) -> None:
         assert proc.returncode == 0, f"{extra}:\n{proc.stdout}\n{proc.stderr}"
     assert (out / "checkpoint-4" / "zeroshard" / "index.json").is_file()
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_skipped_step_changes_nothing_and_keeps_the_schedule(tmp_path: Path) -> None:
+    # bf16.check_grad_overflow: the third step's loss is NaN (so are its
+    # gradients); zeroshard skips it and Trainer does not advance the schedule.
+    result = _job(tmp_path, "--trainer", "zero", "--stage", "2", "--nan-at", "2")
+    lrs = [e["learning_rate"] for e in result["log"]]
+    norms = [e["grad_norm"] for e in result["log"]]
+    assert norms[2] != norms[2]  # NaN: the skipped step
+    assert lrs[3] == lrs[2] and lrs[2] < lrs[1], lrs  # the schedule waited one step
+    assert all(torch.isfinite(v).all() for v in result["params"].values())

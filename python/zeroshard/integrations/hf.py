@@ -15,8 +15,9 @@ weight decay, bf16. What it changes from ``Trainer``:
 - Accumulation micro-steps run inside ``optimizer.no_sync()``.
 - Clipping and the logged ``grad_norm`` use zeroshard's global norm (at
   stages 2-3 ``.grad`` is freed during backward: torch's clip sees nothing).
-- A step zeroshard skipped (non-finite gradients, with
-  ``zero_optimization.on_nonfinite: "skip"``) does not advance the schedule.
+- With ``bf16.check_grad_overflow: true`` (DeepSpeed's key; any precision
+  here) a step whose gradients hold inf/NaN changes nothing, and Trainer does
+  not advance the LR schedule for it.
 - Checkpoints hold a zeroshard checkpoint in ``checkpoint-N/zeroshard`` (any
   world size or stage can resume it) and the scheduler; ``save_model`` writes
   the full weights (gathered from every rank's shard) with ``save_pretrained``.
@@ -217,6 +218,11 @@ class ZeroTrainer(Trainer):
         ]
         groups = [g for g in groups if g["params"]]
         hyper.pop("weight_decay")
+        # DeepSpeed's bf16.check_grad_overflow: a step whose gradients hold
+        # inf/NaN changes nothing (and the schedule waits); here under any
+        # precision, as Trainer's bf16 is autocast over fp32 weights.
+        bf16 = self._zeroshard_source.get("bf16") or {}
+        zero["skip_nonfinite_steps"] = bool(bf16.get("check_grad_overflow", False))
         stage3: dict[str, Any] = {}
         if stage == 3:
             stage3 = {"module": model, "unit_classes": self._unit_classes}

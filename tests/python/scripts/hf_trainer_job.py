@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--save-model", default=None)
     parser.add_argument("--evaluate", action="store_true")
     parser.add_argument("--generate", action="store_true")
+    parser.add_argument("--nan-at", type=int, default=-1, help="a NaN loss at this global step")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,6 +99,7 @@ def main() -> None:
         zero: dict = {"stage": opts.stage, "stage3_param_persistence_threshold": 0}
         if opts.offload != "none":
             zero["offload_optimizer"] = {"device": opts.offload}
+
         config = {
             "train_batch_size": "auto",
             "train_micro_batch_size_per_gpu": "auto",
@@ -106,7 +108,16 @@ def main() -> None:
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
             "zero_optimization": zero,
         }
-        trainer = ZeroTrainer(**common, zeroshard_config=config)
+        if opts.nan_at >= 0:  # skip steps with non-finite gradients
+            config["bf16"] = {"enabled": "auto", "check_grad_overflow": True}
+        nan_at = opts.nan_at
+
+        class NanAt(ZeroTrainer):
+            def compute_loss(self, model, inputs, *args, **kwargs):  # noqa: ANN001, ANN002
+                loss = super().compute_loss(model, inputs, *args, **kwargs)
+                return loss * float("nan") if self.state.global_step == nan_at else loss
+
+        trainer = NanAt(**common, zeroshard_config=config)
     else:
         trainer = Trainer(**common)
     trainer.train(resume_from_checkpoint=opts.resume)
