@@ -455,6 +455,49 @@ TEST(ZeroOptimizerErrorsTest, GroupAddedAfterConstructionFailsTheStepOnEveryRank
   }
 }
 
+// [Note: parameters that left the optimizer's storage]: a parameter given a
+// copy of its values (what model.to("cpu:0") does) keeps training as
+// LibTorch's optimizer would; one given other values on one rank fails the
+// step on every rank, naming it.
+TEST(ZeroOptimizerAttachmentTest, CopiedParametersAreFollowedAndChangedOnesRefused) {
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  const auto expected = TrainReference(adamw);
+  for (int stage : {1, 2}) {
+    std::vector<double> diffs(3, -1);
+    std::mutex mutex;
+    auto errors = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      TinyModel model(/*seed=*/rank);
+      ZeroOptimizer optimizer(model.params, pg, adamw,
+                              ZeroOptions().stage(stage).reduce_bucket_size(16));
+      for (auto& param : model.params) {
+        param.set_data(param.detach().clone());
+      }
+      TrainRank(rank, 3, model, optimizer, 0, kSteps);
+      std::lock_guard<std::mutex> lock(mutex);
+      diffs[rank] = MaxDiff(model.params, expected);
+    });
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
+      EXPECT_GE(diffs[rank], 0.0);
+      EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
+    }
+    errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      TinyModel model(/*seed=*/0);
+      ZeroOptimizer optimizer(model.params, pg, adamw, ZeroOptions().stage(stage));
+      optimizer.set_parameter_names({{"w2", model.params[2]}});
+      if (rank == 1) {
+        model.params[2].set_data(model.params[2].detach() + 1);
+      }
+      TrainRank(rank, 2, model, optimizer, 0, 1);
+    });
+    for (const auto& error : errors) {
+      EXPECT_NE(error.find("step() refused"), std::string::npos) << error;
+      EXPECT_NE(error.find("rank 1: 1 parameter(s)"), std::string::npos) << error;
+      EXPECT_NE(error.find("'w2' was given other values"), std::string::npos) << error;
+    }
+  }
+}
+
 #endif  // ZEROSHARD_WITH_GLOO
 
 }  // namespace
