@@ -126,6 +126,10 @@ class Variant:
             # zeroshard's in-place broadcast per rank, to show what that buys.
             if name.endswith("_allgather"):
                 stage3["gloo_all_gather_broadcasts"] = False
+            # "lockstep": stage 3 without the ranks' agreements (every rank
+            # must run the same modules), to show what agreeing costs.
+            if name.endswith("_lockstep"):
+                stage3["check_collective_order"] = False
             # "fused": ATen's fused Adam kernel (torch.optim's fused=True).
             if name.endswith("_fused"):
                 stage3["fused"] = True

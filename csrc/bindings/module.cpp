@@ -484,6 +484,8 @@ PYBIND11_MODULE(_C, m) {
       .def("full_parameters", &ZeroOptimizer::full_parameters, py::arg("rank") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("num_units", &ZeroOptimizer::num_units)
+      .def("agreements", &ZeroOptimizer::agreements)
+      .def("diverged_agreements", &ZeroOptimizer::diverged_agreements)
       .def("last_step_skipped", &ZeroOptimizer::last_step_skipped)
       .def("skipped_steps", &ZeroOptimizer::skipped_steps)
       .def("set_loss_scale", &ZeroOptimizer::set_loss_scale, py::arg("scale"))

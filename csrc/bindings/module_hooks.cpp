@@ -59,9 +59,32 @@ py::list register_unit_hooks(py::object optimizer, py::object module, int64_t un
   return handles;
 }
 
+// The model's own forward: the agreement's barrier at its end (see
+// ZeroOptimizer::model_forward_begin).
+py::list register_model_forward_hooks(py::object optimizer, py::object module) {
+  py::cpp_function pre_hook([optimizer](py::object, py::object) {
+    optimizer.cast<ZeroOptimizer&>().model_forward_begin();
+  });
+  py::cpp_function post_hook([optimizer](py::object, py::object, py::object output) {
+    auto& opt = optimizer.cast<ZeroOptimizer&>();
+    // With always_call, torch runs this hook from its except clause when the
+    // forward raised (output None, the exception being handled).
+    const bool raised =
+        output.is_none() && !py::module_::import("sys").attr("exc_info")()[py::int_(0)].is_none();
+    py::gil_scoped_release release;
+    opt.model_forward_end(raised);
+  });
+  py::list handles;
+  handles.append(module.attr("register_forward_pre_hook")(pre_hook, py::arg("prepend") = true));
+  handles.append(module.attr("register_forward_hook")(post_hook, py::arg("always_call") = true));
+  return handles;
+}
+
 }  // namespace
 
 void bind_module_hooks(py::module_& m) {
+  m.def("register_model_forward_hooks", &register_model_forward_hooks, py::arg("optimizer"),
+        py::arg("module"), "Registers the stage 3 end-of-forward agreement on the model `module`.");
   m.def("register_unit_hooks", &register_unit_hooks, py::arg("optimizer"), py::arg("module"),
         py::arg("unit"), "Registers the stage 3 gather/release hooks of `unit` on `module`.");
 }

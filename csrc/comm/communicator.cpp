@@ -215,7 +215,7 @@ PendingCollective Communicator::track(c10::intrusive_ptr<c10d::Work> work, Colle
 
 void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
                                const std::string& tag) {
-  if (!order_check_ || world_size_ == 1) {
+  if (!order_check_ || agreed_ || world_size_ == 1) {
     return;
   }
   const std::string description = std::string(collective_kind_name(kind)) + " '" + tag + "' of " +

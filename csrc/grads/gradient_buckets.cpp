@@ -42,6 +42,7 @@ GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& co
     buckets_[g].resize(group.buckets().size());
     reported_[g].assign(group.num_params(), false);
     expects_gradient_.emplace_back(group.num_params(), true);
+    flat_base_.push_back(static_cast<int64_t>(order_.size()));
     for (size_t b = 0; b < group.buckets().size(); ++b) {
       order_.emplace_back(g, b);
     }
@@ -132,6 +133,7 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
     target.copy_(grad.reshape({-1}));
     state.filled[slot_in_bucket] = true;
     state.pending -= 1;
+    completions_ += state.pending == 0 ? 1 : 0;
     if (state.pending == 0 && !order_adopted_) {
       completed_.emplace_back(g, b);
     }
@@ -139,8 +141,50 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
       on_complete_(g, b);
     }
   }
-  if (launch_eagerly_) {
+  if (launch_eagerly_ && !launch_on_agreement_) {
     launch_ready();
+  }
+}
+
+std::vector<int64_t> GradientBuckets::ready_buckets() const {
+  std::vector<int64_t> ready;
+  if (!launch_eagerly_ || !round_started_) {
+    return ready;
+  }
+  for (size_t g = 0; g < buckets_.size(); ++g) {
+    for (size_t b = 0; b < buckets_[g].size(); ++b) {
+      if (buckets_[g][b].pending == 0 && !buckets_[g][b].launched) {
+        ready.push_back(flat_base_[g] + static_cast<int64_t>(b));
+      }
+    }
+  }
+  return ready;
+}
+
+void GradientBuckets::launch_agreed(const std::vector<int64_t>& flat_buckets) {
+  if (flat_buckets.empty()) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(round_started_, "agreed buckets outside a round");
+  std::vector<bool> agreed(order_.size(), false);
+  for (int64_t flat : flat_buckets) {
+    agreed.at(static_cast<size_t>(flat)) = true;
+  }
+  // Launch order, the same on every rank.
+  for (size_t i = next_launch_; i < order_.size(); ++i) {
+    const auto [g, b] = order_[i];
+    if (agreed[static_cast<size_t>(flat_base_[g]) + b] && !buckets_[g][b].launched) {
+      TORCH_INTERNAL_ASSERT(buckets_[g][b].pending == 0, "agreed bucket ", bucket_tag(g, b),
+                            " is not complete on this rank");
+      launch(g, b);
+    }
+  }
+  while (next_launch_ < order_.size() &&
+         buckets_[order_[next_launch_].first][order_[next_launch_].second].launched) {
+    ++next_launch_;
+  }
+  if (next_launch_ == order_.size()) {
+    finish_round();
   }
 }
 
@@ -258,11 +302,14 @@ void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) 
     return;
   }
   round_started_ = true;
-  while (next_launch_ < order_.size()) {
+  for (; next_launch_ < order_.size(); ++next_launch_) {
     const auto [g, b] = order_[next_launch_];
     const GroupLayout& group = layout_.group(g);
     const Bucket& bucket = group.buckets()[b];
     BucketState& state = buckets_[g][b];
+    if (state.launched) {
+      continue;  // agreed on during backward (launch_agreed)
+    }
     for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
       const ParamSlot& slot = group.slots()[s];
       if (slot.numel == 0 || state.filled[s - bucket.first_slot] || !leftover) {
@@ -278,7 +325,6 @@ void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) 
       }
     }
     launch(g, b);
-    ++next_launch_;
   }
   finish_round();
 }

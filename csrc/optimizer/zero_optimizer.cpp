@@ -244,6 +244,13 @@ void ZeroOptimizer::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_gr
       [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
+  if (gatherer_ && options_.check_collective_order() && comm_->world_size() > 1) {
+    // See [Note: Negotiated collectives].
+    buckets_->set_launch_on_agreement(true);
+    gatherer_->negotiate(std::make_unique<CollectiveAgreement>(
+                             *comm_, device_, gatherer_->num_units(), buckets_->num_buckets()),
+                         buckets_.get());
+  }
   if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
     buckets_->set_gradient_sink(
         [swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
@@ -419,6 +426,12 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   }
   at::NoGradGuard no_grad;
   check_groups_fixed();
+  if (gatherer_) {
+    // A rank still in a forward or backward pass gets its gathers served
+    // until it arrives (see [Note: Negotiated collectives]).
+    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+    gatherer_->wait_for_all_ranks(AgreementBarrier::kStep);
+  }
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     // Hyper-parameters may have been edited since the last step (schedulers).
     validate_inner_options(inner_kind_, param_groups_[g].options());

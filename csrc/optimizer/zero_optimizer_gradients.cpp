@@ -154,6 +154,12 @@ at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
 void ZeroOptimizer::on_backward_end(bool outermost) {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
+  if (gatherer_) {
+    // Agreed reductions and other ranks' gathers until every rank's backward
+    // ended; the buckets left then are flushed in one order everywhere.
+    gatherer_->wait_for_all_ranks(outermost ? AgreementBarrier::kBackwardEnd
+                                            : AgreementBarrier::kInnerBackwardEnd);
+  }
   if (gradient_sync_ && !(options_.stage() == 1 && stage1_stale_)) {
     // Stage 1 keeps .grad; stages 2 and 3 move what is left into the buckets.
     buckets_->flush(

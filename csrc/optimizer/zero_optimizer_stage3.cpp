@@ -143,6 +143,34 @@ void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
   });
 }
 
+void ZeroOptimizer::model_forward_begin() {
+  if (gatherer_ && torch::autograd::get_current_graph_task_id() == -1) {
+    model_forward_depth_ += 1;
+  }
+}
+
+void ZeroOptimizer::model_forward_end(bool raised) {
+  if (!gatherer_ || torch::autograd::get_current_graph_task_id() != -1 ||
+      model_forward_depth_ == 0) {
+    return;
+  }
+  model_forward_depth_ -= 1;
+  if (model_forward_depth_ > 0 || raised) {
+    return;
+  }
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  at::NoGradGuard no_grad;
+  gatherer_->wait_for_all_ranks(AgreementBarrier::kForwardEnd);
+}
+
+int64_t ZeroOptimizer::agreements() const {
+  return gatherer_ && gatherer_->agreement() ? gatherer_->agreement()->agreements() : 0;
+}
+
+int64_t ZeroOptimizer::diverged_agreements() const {
+  return gatherer_ && gatherer_->agreement() ? gatherer_->agreement()->count_rounds() : 0;
+}
+
 void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
   if (!gatherer_) {
     return;  // stages 1 and 2: always gathered

@@ -1,5 +1,6 @@
 #include "zeroshard/parameter_gatherer.h"
 
+#include "zeroshard/gradient_buckets.h"
 #include "zeroshard/mapped_host_memory.h"
 
 #include <ATen/ops/empty.h>
@@ -7,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <set>
 
 namespace zeroshard {
 
@@ -163,9 +165,12 @@ int64_t ParameterGatherer::unit_missing_numel(int64_t unit) const {
 // iteration, from where this iteration matches it. The plan is only a hint:
 // a unit prefetched in vain is released later and a unit not prefetched is
 // gathered on demand, so a module called twice, skipped, or run in a new
-// order costs time, never correctness. Every rank runs the same modules, so
-// every rank derives the same prefetches (the order check verifies it).
-void ParameterGatherer::record_and_prefetch(int64_t unit) {
+// order costs time, never correctness. Without an agreement every rank runs
+// the same modules, so every rank derives the same prefetches (the order
+// check verifies it); with one, a unit is prefetched only where every rank
+// plans it.
+std::vector<int64_t> ParameterGatherer::record_and_plan_prefetch(int64_t unit) {
+  std::vector<int64_t> plan;
   current_order_.push_back(unit);
   // Loops without step() (evaluation) rotate the plan themselves.
   if (current_order_.size() > 16 * unit_names_.size() + 64) {
@@ -180,11 +185,14 @@ void ParameterGatherer::record_and_prefetch(int64_t unit) {
     match = std::find(previous_order_.begin(), previous_order_.end(), unit);
   }
   if (match == previous_order_.end()) {
-    return;
+    return plan;
   }
   cursor_ = static_cast<size_t>(match - previous_order_.begin()) + 1;
   // The window is the units that follow, up to prefetch_numel elements of
-  // them, gathered or not, so the look-ahead never grows beyond it.
+  // them, gathered or not, so the look-ahead never grows beyond it. Buckets
+  // an earlier unit of the plan brings count as gathered for the later ones.
+  std::set<BucketId> planned;
+  int64_t live = live_numel_;
   int64_t window = 0;
   for (size_t next = cursor_; next < previous_order_.size(); ++next) {
     const int64_t candidate = previous_order_[next];
@@ -192,13 +200,127 @@ void ParameterGatherer::record_and_prefetch(int64_t unit) {
       continue;
     }
     window += unit_numel_[candidate];
-    const int64_t missing = unit_missing_numel(candidate);
-    if (window > prefetch_numel_ || live_numel_ + missing > max_live_numel_) {
+    int64_t missing = 0;
+    for (const auto& id : unit_buckets_[candidate]) {
+      if (!buckets_[id.first][id.second].materialized && planned.count(id) == 0) {
+        missing += buckets_[id.first][id.second].full.numel();
+      }
+    }
+    if (window > prefetch_numel_ || live + missing > max_live_numel_) {
       break;
     }
     if (missing > 0) {
-      gather_unit(candidate, /*wait=*/false);
+      plan.push_back(candidate);
+      live += missing;
+      planned.insert(unit_buckets_[candidate].begin(), unit_buckets_[candidate].end());
     }
+  }
+  return plan;
+}
+
+void ParameterGatherer::record_and_prefetch(int64_t unit) {
+  for (int64_t candidate : record_and_plan_prefetch(unit)) {
+    gather_unit(candidate, /*wait=*/false);
+  }
+}
+
+void ParameterGatherer::negotiate(std::unique_ptr<CollectiveAgreement> agreement,
+                                  GradientBuckets* reductions) {
+  agreement_ = std::move(agreement);
+  reductions_ = reductions;
+  offered_completions_ = reductions_ ? reductions_->completions() : 0;
+}
+
+void ParameterGatherer::wait_unit(int64_t unit) {
+  for (const auto& [g, b] : unit_buckets_.at(unit)) {
+    BucketState& bucket = state(g, b);
+    TORCH_INTERNAL_ASSERT(bucket.materialized, "unit ", unit_names_.at(unit),
+                          " was not gathered by the agreement");
+    bucket.pending.wait();
+  }
+}
+
+// A bucket held here that another rank demands: this rank sends its slice
+// again, in place (the values are the ones the buffer holds), and waits, so
+// that nothing reads the buffer while the collective writes those same bytes.
+void ParameterGatherer::gather_agreed(size_t g, size_t b) {
+  BucketState& bucket = state(g, b);
+  if (bucket.persistent) {
+    return;  // persistent on every rank alike: never in a collective here
+  }
+  if (!bucket.materialized) {
+    gather(g, b, /*wait=*/false);
+    return;
+  }
+  bucket.pending.wait();
+  const int64_t shard_numel = layout_.group(g).buckets()[b].shard_numel;
+  at::Tensor own = bucket.full.narrow(0, comm_.rank() * shard_numel, shard_numel);
+  comm_.all_gather(bucket.full, own, tag(g, b)).wait();
+}
+
+Agreement ParameterGatherer::run_agreement(AgreementRequest request) {
+  if (reductions_) {
+    request.ready = reductions_->ready_buckets();
+    offered_completions_ = reductions_->completions();
+  }
+  std::set<int64_t> mine(request.demand.begin(), request.demand.end());
+  mine.insert(request.prefetch.begin(), request.prefetch.end());
+  Agreement agreed = agreement_->agree(std::move(request));
+  Communicator::AgreedScope scope(comm_);
+  for (int64_t unit : agreed.gather) {
+    for (const auto& [g, b] : unit_buckets_.at(unit)) {
+      gather_agreed(g, b);
+    }
+  }
+  if (reductions_) {
+    reductions_->launch_agreed(agreed.reduce);
+  }
+  // Units gathered only because another rank demanded them.
+  for (int64_t unit : agreed.gather) {
+    if (mine.count(unit) == 0) {
+      for (const auto& [g, b] : unit_buckets_.at(unit)) {
+        state(g, b).pending.wait();
+        maybe_release(g, b);
+      }
+    }
+  }
+  return agreed;
+}
+
+void ParameterGatherer::obtain_agreed(int64_t unit) {
+  AgreementRequest request;
+  if (unit_missing_numel(unit) > 0) {
+    request.demand.push_back(unit);
+  }
+  request.prefetch = record_and_plan_prefetch(unit);
+  const bool new_reductions = reductions_ && reductions_->completions() != offered_completions_;
+  if (!request.demand.empty() || !request.prefetch.empty() || new_reductions) {
+    run_agreement(std::move(request));
+  }
+  wait_unit(unit);
+}
+
+void ParameterGatherer::wait_for_all_ranks(AgreementBarrier barrier) {
+  if (!agreement_) {
+    return;
+  }
+  comm_.note("barrier", agreement_barrier_name(barrier));
+  while (true) {
+    AgreementRequest request;
+    request.barrier = barrier;
+    const Agreement agreed = run_agreement(std::move(request));
+    if (!agreed.all_at_barrier) {
+      continue;  // served another rank's gathers; it has not arrived yet
+    }
+    TORCH_CHECK_VALUE(!agreed.barriers_differ, "zeroshard stage 3: at step ", comm_.step(),
+                      " rank ", comm_.rank(), " reached ", agreement_barrier_name(barrier),
+                      " while another rank waits at a different point. Ranks may run different "
+                      "modules within a forward or backward pass (they agree on each gather), but "
+                      "every rank must run the same number of forward passes of the model and of "
+                      "backward passes, and call step() together; e.g. give every rank the same "
+                      "number of micro-batches, and run any extra forward (logging, evaluation) on "
+                      "every rank");
+    return;
   }
 }
 
@@ -222,8 +344,8 @@ void ParameterGatherer::make_room(int64_t unit) {
 
 void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
   comm_.note(in_backward ? "recompute_pre_forward" : "pre_forward", unit_names_.at(unit));
-  make_room(unit);
-  gather_unit(unit, /*wait=*/false);
+  // The reference comes first, so that post_forward (which runs even when
+  // this throws) always has one to drop.
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     if (in_backward) {
       state(g, b).backward_hold = true;
@@ -231,6 +353,12 @@ void ParameterGatherer::pre_forward(int64_t unit, bool in_backward) {
       state(g, b).forward_refs += 1;
     }
   }
+  make_room(unit);
+  if (agreement_) {
+    obtain_agreed(unit);
+    return;
+  }
+  gather_unit(unit, /*wait=*/false);
   record_and_prefetch(unit);
   gather_unit(unit, /*wait=*/true);
 }
@@ -242,8 +370,10 @@ void ParameterGatherer::post_forward(int64_t unit, bool in_backward) {
   }
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     BucketState& bucket = state(g, b);
-    TORCH_INTERNAL_ASSERT(bucket.forward_refs > 0, "post_forward without pre_forward for unit ",
-                          unit_names_.at(unit));
+    // Hooks registered while the unit's forward ran see only its end.
+    if (bucket.forward_refs == 0) {
+      continue;
+    }
     bucket.forward_refs -= 1;
     maybe_release(g, b);
   }
@@ -260,11 +390,15 @@ void ParameterGatherer::pre_backward(int64_t unit) {
     return;
   }
   comm_.note("pre_backward", unit_names_.at(unit));
-  make_room(unit);
-  gather_unit(unit, /*wait=*/false);
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     state(g, b).backward_hold = true;
   }
+  make_room(unit);
+  if (agreement_) {
+    obtain_agreed(unit);
+    return;
+  }
+  gather_unit(unit, /*wait=*/false);
   record_and_prefetch(unit);
   gather_unit(unit, /*wait=*/true);
 }
@@ -289,7 +423,13 @@ void ParameterGatherer::backward_finished() {
 
 void ParameterGatherer::pin(const std::vector<BucketId>& buckets) {
   for (const auto& [g, b] : buckets) {
-    gather(g, b, /*wait=*/false);
+    if (agreement_) {
+      // Every rank pins the same buckets, but a diverged forward may have
+      // left some gathered on one rank only: every rank gathers each.
+      gather_agreed(g, b);
+    } else {
+      gather(g, b, /*wait=*/false);
+    }
     state(g, b).pins += 1;
   }
   for (const auto& [g, b] : buckets) {

@@ -10,6 +10,7 @@ from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, estimate_traffic, recommend
 from zeroshard.optimizer import ZeroOptimizer
 from zeroshard.teardown import release_pinned_default_groups
+from zeroshard.units import set_leaf_modules
 
 release_pinned_default_groups()
 
@@ -23,5 +24,6 @@ __all__ = [
     "estimate_traffic",
     "initialize",
     "recommend",
+    "set_leaf_modules",
 ]
 __version__ = "0.1.0"

@@ -122,8 +122,12 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         stage3_param_persistence_threshold: parameters with fewer elements
             stay gathered.
         stage3_max_live_parameters: gathered elements beyond which prefetch stops.
-        check_collective_order: stage 3: ranks compare every collective before
-            issuing it, so diverging control flow raises instead of hanging.
+        check_collective_order: stage 3: ranks agree on each gather and
+            gradient reduction before issuing it, so they may run different
+            modules (data-dependent routing, a branch on one rank, a module
+            called twice here and once there), and compare every other
+            collective, so a real divergence raises instead of hanging.
+            False: every rank must run the same modules in the same order.
         skip_nonfinite_steps: a step whose gradients hold inf/NaN on any rank
             is skipped on every rank (see ``last_step_skipped()``).
         reduce_in_fp32: 16-bit parameters: reduce gradients in fp32.

@@ -46,14 +46,58 @@ def is_moe_block(module: nn.Module) -> bool:
     return bool(_MOE_BLOCK.search(type(module).__name__))
 
 
+# Set by set_leaf_modules on the instances it marks.
+_LEAF_ATTRIBUTE = "_zeroshard_leaf"
+
+
+def set_leaf_modules(
+    model: nn.Module, leaf_classes: Sequence[type[nn.Module] | str]
+) -> list[nn.Module]:
+    """Marks every module of ``model`` whose class is in ``leaf_classes`` (classes or
+    class names) as a stage 3 leaf: one unit with every parameter under it,
+    gathered when its forward starts, whatever the unit policy (DeepSpeed's
+    ``set_z3_leaf_modules``). Call it before building the optimizer.
+
+    Stage 3 trains correctly without it when ranks run different submodules
+    (a mixture of experts routing by data): the ranks agree on each gather.
+    A leaf is a performance choice: one gather for the whole block instead of
+    one per expert, and no rank waits for the others' choices inside it.
+    Returns the marked modules; a class no module of ``model`` has is an
+    error listing the classes it does have.
+    """
+    names = [c for c in leaf_classes if isinstance(c, str)]
+    classes = [c for c in leaf_classes if not isinstance(c, str)]
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"leaf_classes must be nn.Module subclasses or names, got {cls!r}")
+    wanted = tuple(classes) + resolve_unit_classes(model, names)
+    marked = [m for m in model.modules() if isinstance(m, wanted)]
+    if not marked:
+        short = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"zeroshard.set_leaf_modules: no module of the model is a "
+            f"{[c.__name__ for c in wanted]}; its module classes are {short}"
+        )
+    for module in marked:
+        setattr(module, _LEAF_ATTRIBUTE, True)
+    return marked
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """Whether :func:`set_leaf_modules` marked ``module``."""
+    return bool(getattr(module, _LEAF_ATTRIBUTE, False))
+
+
 def repeated_blocks(model: nn.Module) -> set[int]:
     """ids of the default policy's blocks: mixture-of-experts blocks (see
     :func:`is_moe_block`), the children of an ``nn.ModuleList``, and the
     children of an ``nn.Sequential`` whose class repeats there (the layers of
     a transformer), that hold parameters. Outermost only: a list inside a
     block belongs to the block. A MoE block is one unit with all its experts
-    (DeepSpeed's ``set_z3_leaf_modules``): ranks whose tokens route to
-    different experts still gather the same units in the same order.
+    (DeepSpeed's ``set_z3_leaf_modules``), and so is a module marked by
+    :func:`set_leaf_modules`: one gather for the block. Experts that are
+    units of their own train too (the ranks agree on each gather), at the
+    cost of one agreement per expert.
     """
     # An explicit stack, not a recursive closure: a nested function that
     # calls itself is a reference cycle that would hold the model until the
@@ -62,6 +106,9 @@ def repeated_blocks(model: nn.Module) -> set[int]:
     stack = [model]
     while stack:
         module = stack.pop()
+        if module is not model and is_leaf_module(module) and _has_params(module):
+            blocks.add(id(module))
+            continue
         if module is not model and is_moe_block(module) and _has_params(module):
             blocks.add(id(module))
             continue
@@ -137,7 +184,9 @@ def plan_units(
         if id(module) in visited:  # a module registered twice is visited once, as named_modules
             continue
         visited.add(id(module))
-        is_block = isinstance(module, classes) if classes else id(module) in blocks
+        is_block = is_leaf_module(module) or (
+            isinstance(module, classes) if classes else id(module) in blocks
+        )
         if is_block and not in_block:
             owner, in_block = Unit(name or "<root>", module), True
             units.append(owner)
@@ -167,6 +216,10 @@ def register_hooks(
     for index, unit in enumerate(units):
         handles.extend(_C.register_unit_hooks(impl, unit.module, index))
     if model is not None:
+        # After the units' hooks: the model's own post-forward hook (the
+        # ranks' agreement that every forward returned) runs after its unit
+        # released its parameters.
+        handles.extend(_C.register_model_forward_hooks(impl, model))
         handles.append(_register_released_read_note(model, units))
     return handles
 

@@ -149,15 +149,31 @@ class Communicator {
 
   // [Note: Collective order check]
   // While enabled, every collective is preceded by a small all-reduce in which
-  // the ranks compare what they are about to issue (kind, size, tag). Stage 3
-  // issues collectives from module hooks, so a rank that runs different
-  // modules than the others (data-dependent control flow) would otherwise
-  // deadlock or mix up buffers; with the check every rank raises an error
-  // naming both collectives and the step. A rank that stops issuing
-  // collectives altogether is caught by the process group's timeout, which is
-  // rethrown with the same context.
+  // the ranks compare what they are about to issue (kind, size, tag); ranks
+  // about to issue different ones raise an error naming both collectives and
+  // the step instead of deadlocking or mixing up buffers. Stage 3's hook
+  // collectives skip it: the ranks agreed on them (AgreedScope), so ranks
+  // running different modules is not an error there ([Note: Negotiated
+  // collectives] in collective_agreement.h). A rank that stops issuing
+  // collectives altogether is caught by the process group's timeout, which
+  // is rethrown with the same context.
   void set_order_check_enabled(bool enabled) { order_check_ = enabled; }
   bool order_check_enabled() const { return order_check_; }
+  // While alive, collectives skip the order check: the ranks agreed on them
+  // beforehand ([Note: Negotiated collectives] in collective_agreement.h).
+  class AgreedScope {
+   public:
+    explicit AgreedScope(Communicator& comm) : comm_(comm), previous_(comm.agreed_) {
+      comm_.agreed_ = true;
+    }
+    ~AgreedScope() { comm_.agreed_ = previous_; }
+    AgreedScope(const AgreedScope&) = delete;
+    AgreedScope& operator=(const AgreedScope&) = delete;
+
+   private:
+    Communicator& comm_;
+    bool previous_;
+  };
   // The training step reported in errors.
   void set_step(int64_t step) { step_ = step; }
   int64_t step() const { return step_; }
@@ -212,6 +228,7 @@ class Communicator {
   bool log_enabled_ = false;
   std::vector<CommEvent> log_;
   bool order_check_ = false;
+  bool agreed_ = false;  // see AgreedScope
   int64_t step_ = 0;
   std::unordered_map<int64_t, std::string> checked_;  // signature -> description
   std::vector<c10::intrusive_ptr<c10d::Work>> retired_;

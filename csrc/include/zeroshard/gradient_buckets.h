@@ -102,6 +102,18 @@ class GradientBuckets {
     return group < first_round_writes_shard_.size() && first_round_writes_shard_[group];
   }
 
+  // [Note: Negotiated collectives] (collective_agreement.h): with
+  // `on_agreement`, complete buckets wait to be agreed on instead of
+  // launching in order; ready_buckets() offers them, launch_agreed() launches
+  // those complete on every rank (in launch order), and flush() the rest.
+  // Buckets are numbered flat: group by group, bucket by bucket.
+  void set_launch_on_agreement(bool on_agreement) { launch_on_agreement_ = on_agreement; }
+  std::vector<int64_t> ready_buckets() const;
+  void launch_agreed(const std::vector<int64_t>& flat_buckets);
+  int64_t num_buckets() const { return static_cast<int64_t>(order_.size()); }
+  // Buckets that completed so far (monotone): whether any is new to offer.
+  int64_t completions() const { return completions_; }
+
   // Starts a new accumulation window: forgets which parameters reported.
   // Call only with nothing in flight and no round open.
   void reset();
@@ -163,6 +175,9 @@ class GradientBuckets {
   BucketComplete on_complete_;
   size_t max_in_flight_;
   bool launch_eagerly_;
+  bool launch_on_agreement_ = false;
+  int64_t completions_ = 0;
+  std::vector<int64_t> flat_base_;                 // [group]: flat number of its bucket 0
   std::vector<std::vector<BucketState>> buckets_;  // [group][bucket]
   std::vector<std::pair<size_t, size_t>> order_;   // launch order: (group, bucket)
   // Buckets in the order they completed during the first eager round.

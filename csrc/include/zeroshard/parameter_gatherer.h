@@ -32,11 +32,18 @@
 // never beyond stage3_max_live_parameters). Persistent buckets (parameters of
 // no unit, or below stage3_param_persistence_threshold) are never freed.
 //
+// With an agreement (negotiate()), the ranks agree on every gather and
+// gradient reduction before issuing it, so they may run different modules,
+// in any order, any number of times ([Note: Negotiated collectives] in
+// collective_agreement.h); without one every rank must run the same modules
+// in the same order.
+//
 // Thread-safety: called from the training thread and from autograd hooks on
 // the backward thread, which never run at the same time; ZeroOptimizer
 // serialises them with its mutex.
 #pragma once
 
+#include "zeroshard/collective_agreement.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/partition_layout.h"
 
@@ -44,11 +51,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace zeroshard {
+
+class GradientBuckets;
 
 // (group, bucket) of the partition layout.
 using BucketId = std::pair<size_t, size_t>;
@@ -99,6 +109,16 @@ class ParameterGatherer {
   void bucket_complete(size_t group, size_t bucket);
   void backward_finished();
 
+  // From here on every gather and every reduction of `reductions` (the
+  // gradient buckets of the same layout; may be null) is agreed on first.
+  void negotiate(std::unique_ptr<CollectiveAgreement> agreement, GradientBuckets* reductions);
+  bool negotiated() const { return agreement_ != nullptr; }
+  const CollectiveAgreement* agreement() const { return agreement_.get(); }
+  // Collective when negotiated: returns once every rank is at a barrier,
+  // having served what the others demanded meanwhile; ranks at different
+  // kinds of barrier raise on every rank. A no-op otherwise.
+  void wait_for_all_ranks(AgreementBarrier barrier);
+
   // Gathers (and waits for) the given buckets and holds them until unpin.
   void pin(const std::vector<BucketId>& buckets);
   void unpin(const std::vector<BucketId>& buckets);
@@ -146,7 +166,16 @@ class ParameterGatherer {
   bool needed_soon(size_t group, size_t bucket) const;
   void make_room(int64_t unit);
   void gather_unit(int64_t unit, bool wait);
+  void wait_unit(int64_t unit);
+  // Records `unit` in this iteration's order and returns the units to
+  // prefetch after it, following the previous iteration's order.
+  std::vector<int64_t> record_and_plan_prefetch(int64_t unit);
   void record_and_prefetch(int64_t unit);
+  // Negotiated: agrees on `unit` (demanded if missing), its prefetches and
+  // the ready reductions, then issues what was agreed.
+  void obtain_agreed(int64_t unit);
+  Agreement run_agreement(AgreementRequest request);
+  void gather_agreed(size_t group, size_t bucket);
   int64_t unit_missing_numel(int64_t unit) const;
   void allocate(BucketState& bucket);
   void count_live(const BucketState& bucket, int64_t sign);
@@ -170,6 +199,9 @@ class ParameterGatherer {
   std::vector<int64_t> previous_order_;
   std::vector<int64_t> current_order_;
   size_t cursor_ = 0;
+  std::unique_ptr<CollectiveAgreement> agreement_;  // see negotiate()
+  GradientBuckets* reductions_ = nullptr;
+  int64_t offered_completions_ = 0;  // reductions_->completions() at the last agreement
 };
 
 }  // namespace zeroshard

@@ -30,6 +30,7 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/api/include/torch/nn/module.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -64,6 +65,33 @@ class UnitScope {
  private:
   ZeroOptimizer& optimizer_;
   int64_t unit_;
+};
+
+// RAII around the model's whole forward: on exit every rank waits until
+// every rank's forward returned, serving the others' gathers meanwhile (see
+// ZeroOptimizer::model_forward_begin). Stage 3 trains correctly without it;
+// it is needed when ranks run different units (data-dependent modules) and
+// the program issues collectives of its own between forward and backward.
+//   { zeroshard::ModelForward forward(optimizer); loss = net->forward(x); }
+class ModelForward {
+ public:
+  explicit ModelForward(ZeroOptimizer& optimizer)
+      : optimizer_(optimizer), exceptions_(std::uncaught_exceptions()) {
+    optimizer_.model_forward_begin();
+  }
+  ~ModelForward() {
+    try {
+      optimizer_.model_forward_end(/*raised=*/std::uncaught_exceptions() > exceptions_);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "zeroshard::ModelForward: the end-of-forward agreement failed: " << e.what();
+    }
+  }
+  ModelForward(const ModelForward&) = delete;
+  ModelForward& operator=(const ModelForward&) = delete;
+
+ private:
+  ZeroOptimizer& optimizer_;
+  int exceptions_;
 };
 
 // What collect_units/attach_units see of every UnitModule.

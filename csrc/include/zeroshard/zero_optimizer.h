@@ -253,7 +253,10 @@ class ZeroOptimizer : public torch::optim::Optimizer {
 
   // ---- Stage 3 ---------------------------------------------------------------
   // Unit hooks, called by the module hooks (Python) or UnitModule (C++).
-  // Collective: every rank calls them in the same order.
+  // With check_collective_order (the default) ranks may call them for
+  // different units, in any order, any number of times: they agree on each
+  // gather ([Note: Negotiated collectives] in collective_agreement.h).
+  // Without it every rank must call them in the same order.
   int64_t num_units() const;
   int64_t unit_index(const std::string& name) const;
   void unit_pre_forward(int64_t unit);
@@ -261,6 +264,19 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Makes the unit's backward gather its parameters first: hooks `output`
   // (when it requires grad) so that its gradient triggers the gather.
   void unit_track_output(int64_t unit, const at::Tensor& output);
+  // Around the model's whole forward (Python: hooks on module=; C++:
+  // ModelForward in unit_module.h). Collective: when the outermost forward
+  // returns, each rank waits until every rank's forward returned, serving the
+  // others' gathers meanwhile, so that code between forward and backward
+  // (a metric's all-reduce) never meets a rank still gathering. `raised`:
+  // the forward threw; there is no wait then. Inside backward (activation
+  // recomputation) both are no-ops.
+  void model_forward_begin();
+  void model_forward_end(bool raised = false);
+  // Agreements made so far and how many found the ranks asking differently
+  // (0 for both without negotiation).
+  int64_t agreements() const;
+  int64_t diverged_agreements() const;
 
   // Collective. Gathers the buckets holding `params` (all parameters when
   // empty) and keeps them gathered until unpin_parameters. With
@@ -544,6 +560,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   bool last_step_skipped_ = false;
   bool skip_requested_ = false;
   int64_t skipped_steps_ = 0;
+  int64_t model_forward_depth_ = 0;  // see model_forward_begin
   bool gradient_sync_ = true;
   bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
   // Stage 1 overlap: the .grad tensors copied this step and their versions;

@@ -94,10 +94,13 @@ struct ZeroOptions {
   // Gathered elements beyond which prefetching stops (a unit needed now is
   // always gathered).
   TORCH_ARG(int64_t, stage3_max_live_parameters) = 1000000000;
-  // Stage 3: ranks compare each collective before issuing it, so diverging
-  // control flow raises an error instead of hanging (see [Note: Collective
-  // order check] in communicator.h). Costs one 16-byte all-reduce per
-  // collective.
+  // Stage 3: ranks agree on each gather and gradient reduction before
+  // issuing it, so they may run different modules ([Note: Negotiated
+  // collectives] in collective_agreement.h), and compare every other
+  // collective, so a real divergence raises instead of hanging ([Note:
+  // Collective order check] in communicator.h). One 16-byte all-reduce per
+  // agreement and per other collective. False: every rank must run the same
+  // modules in the same order.
   TORCH_ARG(bool, check_collective_order) = true;
   // Stage 3: where parameters constructed on the meta device are
   // materialized (partitioned construction).

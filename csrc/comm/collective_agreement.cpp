@@ -1,0 +1,129 @@
+#include "zeroshard/collective_agreement.h"
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+namespace {
+
+void sort_unique(std::vector<int64_t>& values) {
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+}
+
+// FNV-1a over the request's numbers, each list preceded by its length so
+// that ([1], [2]) and ([1, 2], []) differ; kept positive so that max(-x)
+// gives the minimum.
+int64_t request_hash(const AgreementRequest& request) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&hash](int64_t value) {
+    auto bits = static_cast<uint64_t>(value);
+    for (int byte = 0; byte < 8; ++byte) {
+      hash = (hash ^ (bits & 0xffu)) * 1099511628211ull;
+      bits >>= 8;
+    }
+  };
+  for (const auto* list : {&request.demand, &request.prefetch, &request.ready}) {
+    mix(static_cast<int64_t>(list->size()));
+    for (int64_t value : *list) {
+      mix(value);
+    }
+  }
+  mix(static_cast<int64_t>(request.barrier));
+  return static_cast<int64_t>(hash >> 1);
+}
+
+}  // namespace
+
+const char* agreement_barrier_name(AgreementBarrier barrier) {
+  switch (barrier) {
+    case AgreementBarrier::kNone:
+      return "a gather";
+    case AgreementBarrier::kForwardEnd:
+      return "the end of the model's forward";
+    case AgreementBarrier::kBackwardEnd:
+      return "the end of a backward pass";
+    case AgreementBarrier::kStep:
+      return "step()";
+    case AgreementBarrier::kInnerBackwardEnd:
+      return "the end of a reentrant checkpoint's backward";
+  }
+  return "an unknown point";
+}
+
+CollectiveAgreement::CollectiveAgreement(Communicator& comm, c10::Device device, int64_t num_units,
+                                         int64_t num_buckets)
+    : comm_(comm), device_(device), num_units_(num_units), num_buckets_(num_buckets) {}
+
+Agreement CollectiveAgreement::agree(AgreementRequest request) {
+  sort_unique(request.demand);
+  sort_unique(request.prefetch);
+  sort_unique(request.ready);
+  Communicator::AgreedScope agreed(comm_);
+  agreements_ += 1;
+  Agreement out;
+  const int64_t world = comm_.world_size();
+  const bool at_barrier = request.barrier != AgreementBarrier::kNone;
+
+  const int64_t hash = request_hash(request);
+  at::Tensor extremes = at::tensor({hash, -hash}, at::kLong).to(device_);
+  comm_.all_reduce_max(extremes, "agreement");
+  extremes = extremes.cpu();
+  const auto* e = extremes.data_ptr<int64_t>();
+  if (e[0] == hash && -e[1] == hash) {
+    // Every rank asked the same: act on this rank's own request.
+    out.unanimous = true;
+    out.gather = request.demand;
+    out.gather.insert(out.gather.end(), request.prefetch.begin(), request.prefetch.end());
+    sort_unique(out.gather);
+    out.reduce = std::move(request.ready);
+    out.all_at_barrier = at_barrier;
+    return out;
+  }
+
+  // The ranks differ: count, per unit and per bucket, the ranks asking.
+  count_rounds_ += 1;
+  const int64_t demand_at = 0;
+  const int64_t prefetch_at = num_units_;
+  const int64_t ready_at = 2 * num_units_;
+  const int64_t barrier_at = ready_at + num_buckets_;
+  at::Tensor counts = at::zeros({barrier_at + 3}, at::kLong);
+  auto* c = counts.data_ptr<int64_t>();
+  for (int64_t unit : request.demand) {
+    c[demand_at + unit] = 1;
+  }
+  for (int64_t unit : request.prefetch) {
+    c[prefetch_at + unit] = 1;
+  }
+  for (int64_t bucket : request.ready) {
+    c[ready_at + bucket] = 1;
+  }
+  const auto kind = static_cast<int64_t>(request.barrier);
+  c[barrier_at] = at_barrier ? 1 : 0;
+  c[barrier_at + 1] = kind;
+  c[barrier_at + 2] = kind * kind;
+  counts = counts.to(device_);
+  comm_.all_reduce_sum(counts, "agreement_counts");
+  counts = counts.cpu();
+  c = counts.data_ptr<int64_t>();
+  for (int64_t unit = 0; unit < num_units_; ++unit) {
+    if (c[demand_at + unit] > 0 || c[prefetch_at + unit] == world) {
+      out.gather.push_back(unit);
+    }
+  }
+  for (int64_t bucket = 0; bucket < num_buckets_; ++bucket) {
+    if (c[ready_at + bucket] == world) {
+      out.reduce.push_back(bucket);
+    }
+  }
+  out.all_at_barrier = c[barrier_at] == world;
+  // Equal kinds k on every rank <=> sum = W k and sum of squares = W k^2.
+  out.barriers_differ = out.all_at_barrier && (c[barrier_at + 1] != world * kind ||
+                                               c[barrier_at + 2] != world * kind * kind);
+  return out;
+}
+
+}  // namespace zeroshard
