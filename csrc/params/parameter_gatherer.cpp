@@ -190,9 +190,16 @@ std::vector<int64_t> ParameterGatherer::record_and_plan_prefetch(int64_t unit) {
   cursor_ = static_cast<size_t>(match - previous_order_.begin()) + 1;
   // The window is the units that follow, up to prefetch_numel elements of
   // them, gathered or not, so the look-ahead never grows beyond it. Buckets
-  // an earlier unit of the plan brings count as gathered for the later ones.
+  // an earlier unit of the plan brings count as gathered for the later ones,
+  // and so do those of `unit` itself: negotiated, it is planned before it is
+  // gathered (obtain_agreed), and max_live_parameters must count it.
   std::set<BucketId> planned;
   int64_t live = live_numel_;
+  for (const auto& id : unit_buckets_[unit]) {
+    if (!buckets_[id.first][id.second].materialized && planned.insert(id).second) {
+      live += buckets_[id.first][id.second].full.numel();
+    }
+  }
   int64_t window = 0;
   for (size_t next = cursor_; next < previous_order_.size(); ++next) {
     const int64_t candidate = previous_order_[next];

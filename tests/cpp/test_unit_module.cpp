@@ -9,11 +9,13 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/nn/modules/linear.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -136,6 +138,160 @@ TEST(UnitModuleTest, ShardedButUnattachedModelFailsInsteadOfReadingFreedMemory) 
   }
 }
 
+// Data-dependent routing over UnitModule experts: each sample goes to the
+// expert its router picks, so a rank runs only the experts its samples chose
+// (some none, some twice as a rank may route a sample again), and the ranks
+// agree on each gather ([Note: Negotiated collectives]).
+constexpr int64_t kExperts = 4;
+
+struct RoutedNetImpl : torch::nn::Module {
+  RoutedNetImpl()
+      : router(register_module("router", torch::nn::Linear(5, kExperts))),
+        head(register_module("head", torch::nn::Linear(5, 3))) {
+    for (int64_t e = 0; e < kExperts; ++e) {
+      experts.push_back(
+          register_module("expert" + std::to_string(e), make_unit(torch::nn::Linear(5, 5))));
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor choice = router->forward(x).argmax(-1);
+    at::Tensor out = at::zeros_like(x);
+    ran.clear();
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const at::Tensor rows = choice.eq(e).nonzero().squeeze(-1);
+      if (rows.numel() == 0) {
+        continue;
+      }
+      ran.insert(e);
+      at::Tensor y = experts[e]->forward(x.index_select(0, rows)).tanh();
+      // Samples whose first feature is positive pass through their expert again.
+      const at::Tensor again = x.index_select(0, rows).select(1, 0).gt(0).nonzero().squeeze(-1);
+      if (again.numel() > 0) {
+        y = y.index_add(0, again, experts[e]->forward(y.index_select(0, again)));
+      }
+      out = out.index_add(0, rows, y);
+    }
+    return head->forward(out);
+  }
+
+  torch::nn::Linear router;
+  torch::nn::Linear head;
+  std::vector<UnitModule<torch::nn::Linear>> experts;
+  std::set<int64_t> ran;  // experts the last forward ran
+};
+TORCH_MODULE(RoutedNet);
+
+RoutedNet MakeRoutedNet() {
+  RoutedNet net;
+  auto generator = at::detail::createCPUGenerator(7);
+  at::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) {
+    p.copy_(at::randn(p.sizes(), generator) * 0.5);
+  }
+  return net;
+}
+
+std::pair<at::Tensor, at::Tensor> RoutedBatch(int step) {
+  auto generator = at::detail::createCPUGenerator(900 + step);
+  at::Tensor x = at::randn({kBatch, 5}, generator);
+  return {x, at::randn({kBatch, 3}, generator)};
+}
+
+TEST(UnitModuleTest, StageThreeTrainsDataDependentRoutingLikeLibTorchAdamW) {
+  RoutedNet reference = MakeRoutedNet();
+  torch::optim::AdamW reference_optimizer(reference->parameters(),
+                                          torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = RoutedBatch(step);
+    reference_optimizer.zero_grad();
+    (reference->forward(x) - y).pow(2).mean().backward();
+    reference_optimizer.step();
+  }
+  const auto expected = reference->parameters();
+
+  for (int world : {2, 3}) {
+    std::mutex mutex;
+    std::vector<std::vector<at::Tensor>> results(world);
+    std::vector<std::vector<std::set<int64_t>>> ran(world);
+    std::vector<int64_t> diverged(world, 0);
+    const auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      RoutedNet net = MakeRoutedNet();
+      ZeroOptimizer optimizer(net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
+                              ZeroOptions().stage(3).stage3_param_persistence_threshold(0),
+                              collect_units(*net));
+      attach_units(*net, optimizer);
+      std::vector<std::set<int64_t>> ran_here;
+      for (int step = 0; step < kSteps; ++step) {
+        auto [x, y] = RoutedBatch(step);
+        const int64_t per_rank = kBatch / world;
+        optimizer.zero_grad();
+        at::Tensor output;
+        {
+          ModelForward forward(optimizer);
+          output = net->forward(x.narrow(0, rank * per_rank, per_rank));
+        }
+        ran_here.push_back(net->ran);
+        (output - y.narrow(0, rank * per_rank, per_rank)).pow(2).mean().backward();
+        optimizer.step();
+      }
+      std::vector<at::Tensor> snapshot;
+      {
+        GatheredParameters full(optimizer);
+        for (const auto& p : net->parameters()) {
+          snapshot.push_back(p.detach().clone());
+        }
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      results[rank] = std::move(snapshot);
+      ran[rank] = std::move(ran_here);
+      diverged[rank] = optimizer.diverged_agreements();
+    });
+    // The routing did differ between ranks, and each expert ran somewhere.
+    bool some_rank_skipped_an_expert = false;
+    std::set<int64_t> ran_anywhere;
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_EQ(errors[rank], "") << "world " << world << " rank " << rank;
+      for (const auto& experts : ran[rank]) {
+        some_rank_skipped_an_expert |= experts.size() < static_cast<size_t>(kExperts);
+        ran_anywhere.insert(experts.begin(), experts.end());
+      }
+      EXPECT_GT(diverged[rank], 0) << "the ranks never asked for different gathers";
+      double diff = 0;
+      for (size_t i = 0; i < expected.size(); ++i) {
+        diff = std::max(diff, (results[rank][i] - expected[i]).abs().max().item<double>());
+      }
+      EXPECT_LE(diff, 1e-6) << "world " << world << " rank " << rank;
+    }
+    EXPECT_TRUE(some_rank_skipped_an_expert);
+    EXPECT_EQ(ran_anywhere.size(), static_cast<size_t>(kExperts));
+  }
+}
+
+TEST(UnitModuleTest, ARankRunningAnExtraBackwardRaisesOnEveryRank) {
+  const auto errors = RunRanks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    RoutedNet net = MakeRoutedNet();
+    ZeroOptimizer optimizer(net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
+                            ZeroOptions().stage(3).stage3_param_persistence_threshold(0),
+                            collect_units(*net));
+    attach_units(*net, optimizer);
+    auto [x, y] = RoutedBatch(0);
+    for (int pass = 0; pass < (rank == 0 ? 2 : 1); ++pass) {
+      at::Tensor output;
+      {
+        ModelForward forward(optimizer);
+        output = net->forward(x.narrow(0, rank * 6, 6));
+      }
+      (output - y.narrow(0, rank * 6, 6)).pow(2).mean().backward();
+    }
+    optimizer.step();
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("at step 0"), std::string::npos) << error;
+    EXPECT_NE(error.find("same number of forward passes"), std::string::npos) << error;
+    EXPECT_EQ(error.find("INTERNAL ASSERT"), std::string::npos) << error;
+  }
+}
 #endif  // ZEROSHARD_WITH_GLOO
 
 #ifdef ZEROSHARD_WITH_GLOO

@@ -79,9 +79,17 @@ class ModelForward {
       : optimizer_(optimizer), exceptions_(std::uncaught_exceptions()) {
     optimizer_.model_forward_begin();
   }
-  ~ModelForward() {
+  // Throws the agreement's error (ranks at different points: every rank
+  // raises it) unless an exception is already unwinding the forward, where
+  // it is logged: the first error is the one the caller sees.
+  ~ModelForward() noexcept(false) {
+    const bool raised = std::uncaught_exceptions() > exceptions_;
+    if (!raised) {
+      optimizer_.model_forward_end(/*raised=*/false);
+      return;
+    }
     try {
-      optimizer_.model_forward_end(/*raised=*/std::uncaught_exceptions() > exceptions_);
+      optimizer_.model_forward_end(/*raised=*/true);
     } catch (const std::exception& e) {
       LOG(ERROR) << "zeroshard::ModelForward: the end-of-forward agreement failed: " << e.what();
     }
