@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <tuple>
+#include <type_traits>
 
 // After torch's pybind11 setup above.
 #include "checkpoint_bindings.h"
@@ -173,55 +174,42 @@ ZeroOptions zero_options_from(const py::dict& values) {
   for (const auto& item : values) {
     const auto key = item.first.cast<std::string>();
     const py::handle value = item.second;
-    if (key == "stage") {
-      options.stage(value.cast<int64_t>());
-    } else if (key == "reduce_bucket_size") {
-      options.reduce_bucket_size(value.cast<int64_t>());
-    } else if (key == "broadcast_from_rank") {
-      options.broadcast_from_rank(value.cast<int64_t>());
-    } else if (key == "max_norm") {
-      options.max_norm(value.cast<double>());
-    } else if (key == "max_buckets_in_flight") {
-      options.max_buckets_in_flight(value.cast<int64_t>());
-    } else if (key == "overlap_comm") {
-      options.overlap_comm(value.cast<bool>());
-    } else if (key == "fused") {
-      options.fused(value.cast<bool>());
-    } else if (key == "stage3_prefetch_bucket_size") {
-      options.stage3_prefetch_bucket_size(value.cast<int64_t>());
-    } else if (key == "stage3_param_persistence_threshold") {
-      options.stage3_param_persistence_threshold(value.cast<int64_t>());
-    } else if (key == "stage3_max_live_parameters") {
-      options.stage3_max_live_parameters(value.cast<int64_t>());
-    } else if (key == "check_collective_order") {
-      options.check_collective_order(value.cast<bool>());
-    } else if (key == "skip_nonfinite_steps") {
-      options.skip_nonfinite_steps(value.cast<bool>());
-    } else if (key == "reduce_in_fp32") {
-      options.reduce_in_fp32(value.cast<bool>());
-    } else if (key == "gloo_reduce_scatter_all_to_all") {
-      options.gloo_reduce_scatter_all_to_all(value.cast<bool>());
-    } else if (key == "gloo_all_gather_broadcasts") {
-      options.gloo_all_gather_broadcasts(value.cast<bool>());
-    } else if (key == "gradient_divide_factor") {
-      options.gradient_divide_factor(value.cast<double>());
-    } else if (key == "stage1_reduce_in_backward") {
-      options.stage1_reduce_in_backward(value.cast<bool>());
-    } else if (key == "offload_optimizer") {
+    bool scalar = false;
+    for_each_scalar_zero_option(options, [&](const char* name, auto& field) {
+      if (key == name) {
+        field = value.cast<std::decay_t<decltype(field)>>();
+        scalar = true;
+      }
+    });
+    if (scalar) {
+      continue;
+    }
+    if (key == "offload_optimizer") {
       options.offload_optimizer(offload_options_from(value.cast<py::dict>()));
     } else if (key == "offload_param") {
       options.offload_param(offload_options_from(value.cast<py::dict>()));
-    } else if (key == "sub_group_size") {
-      options.sub_group_size(value.cast<int64_t>());
     } else if (key == "aio") {
       options.aio(aio_options_from(value.cast<py::dict>()));
     } else if (key == "materialize_device") {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
-      TORCH_CHECK_TYPE(false, "unknown ZeRO option '", key, "'");
+      std::string known = "offload_optimizer, offload_param, aio, materialize_device";
+      for_each_scalar_zero_option(
+          options, [&](const char* name, const auto&) { known += std::string(", ") + name; });
+      TORCH_CHECK_TYPE(false, "unknown ZeRO option '", key, "'; expected one of ", known);
     }
   }
   return options;
+}
+
+// The scalar options' defaults, for the Python signature ([Note: one list of
+// the scalar options] in zero_options.h).
+py::dict zero_option_defaults() {
+  py::dict out;
+  const ZeroOptions defaults;
+  for_each_scalar_zero_option(defaults,
+                              [&](const char* name, const auto& value) { out[name] = value; });
+  return out;
 }
 
 NoGilHolder<ZeroOptimizer> make_zero_optimizer(
@@ -292,6 +280,8 @@ PYBIND11_MODULE(_C, m) {
       "io_uring_available", [] { return zeroshard::io_uring_available(); },
       "Whether the NVMe tier's I/O can use io_uring here (built in and permitted).");
   zeroshard::bind_estimator(m);
+  m.def("zero_option_defaults", &zeroshard::zero_option_defaults,
+        "The defaults of ZeroOptions' scalar options, by name.");
 
   m.def(
       "inner_update",

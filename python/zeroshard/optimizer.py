@@ -25,6 +25,26 @@ from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
 
+# ZeroOptions' scalar options and their defaults, from the core ([Note: one
+# list of the scalar options] in zero_options.h): each is a keyword argument
+# of ZeroOptimizer of the same name (max_norm and gradient_divide_factor take
+# None for the core's 0, "off").
+_ZERO_DEFAULTS: dict[str, Any] = _C.zero_option_defaults()
+_NONE_MEANS_ZERO = ("max_norm", "gradient_divide_factor")
+
+
+def _scalar_zero_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The core's scalar options from ZeroOptimizer's keyword arguments, in
+    the core's types."""
+    out = {}
+    for name, default in _ZERO_DEFAULTS.items():
+        value = arguments[name]
+        if value is None and name in _NONE_MEANS_ZERO:
+            value = 0
+        out[name] = type(default)(value)
+    return out
+
+
 # Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
@@ -218,7 +238,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer: str = "adamw",
-        stage: int = 1,
+        stage: int = _ZERO_DEFAULTS["stage"],
         process_group: dist.ProcessGroup | None = None,
         *,
         device_mesh: Any = None,
@@ -227,24 +247,26 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         unit_classes: Sequence[type[torch.nn.Module]] = (),
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         materialize_device: str | torch.device = "cpu",
-        reduce_bucket_size: int = 5_000_000,
-        broadcast_from_rank: int = 0,
+        reduce_bucket_size: int = _ZERO_DEFAULTS["reduce_bucket_size"],
+        broadcast_from_rank: int = _ZERO_DEFAULTS["broadcast_from_rank"],
         max_norm: float | None = None,
-        max_buckets_in_flight: int = 2,
-        overlap_comm: bool = True,
-        fused: bool = False,
-        stage3_prefetch_bucket_size: int = 50_000_000,
-        stage3_param_persistence_threshold: int = 100_000,
-        stage3_max_live_parameters: int = 1_000_000_000,
-        check_collective_order: bool = True,
-        skip_nonfinite_steps: bool = False,
-        reduce_in_fp32: bool = False,
-        gloo_reduce_scatter_all_to_all: bool = True,
-        gloo_all_gather_broadcasts: bool = True,
-        stage1_reduce_in_backward: bool = False,
+        max_buckets_in_flight: int = _ZERO_DEFAULTS["max_buckets_in_flight"],
+        overlap_comm: bool = _ZERO_DEFAULTS["overlap_comm"],
+        fused: bool = _ZERO_DEFAULTS["fused"],
+        stage3_prefetch_bucket_size: int = _ZERO_DEFAULTS["stage3_prefetch_bucket_size"],
+        stage3_param_persistence_threshold: int = _ZERO_DEFAULTS[
+            "stage3_param_persistence_threshold"
+        ],
+        stage3_max_live_parameters: int = _ZERO_DEFAULTS["stage3_max_live_parameters"],
+        check_collective_order: bool = _ZERO_DEFAULTS["check_collective_order"],
+        skip_nonfinite_steps: bool = _ZERO_DEFAULTS["skip_nonfinite_steps"],
+        reduce_in_fp32: bool = _ZERO_DEFAULTS["reduce_in_fp32"],
+        gloo_reduce_scatter_all_to_all: bool = _ZERO_DEFAULTS["gloo_reduce_scatter_all_to_all"],
+        gloo_all_gather_broadcasts: bool = _ZERO_DEFAULTS["gloo_all_gather_broadcasts"],
+        stage1_reduce_in_backward: bool = _ZERO_DEFAULTS["stage1_reduce_in_backward"],
         offload_optimizer: str | Mapping[str, Any] | None = None,
         offload_param: str | Mapping[str, Any] | None = None,
-        sub_group_size: int = 1_000_000_000,
+        sub_group_size: int = _ZERO_DEFAULTS["sub_group_size"],
         aio: Mapping[str, Any] | None = None,
         failure_report_seconds: float = 3.0,
         gradient_divide_factor: float | None = None,
@@ -253,6 +275,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         param_names: Mapping[str, torch.Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
+        scalar_options = _scalar_zero_options(locals())
         kind = _canonical_optimizer(optimizer)
         unknown = set(optimizer_kwargs) - set(_DEFAULTS[kind])
         if unknown:
@@ -299,28 +322,11 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
         tp = TensorParallelParameters(self.param_groups)
         self._tensor_parallel = tp
         zero_options = {
-            "stage": int(stage),
-            "reduce_bucket_size": int(reduce_bucket_size),
-            "broadcast_from_rank": int(broadcast_from_rank),
-            "max_norm": float(max_norm or 0.0),
-            "max_buckets_in_flight": int(max_buckets_in_flight),
-            "overlap_comm": bool(overlap_comm),
-            "fused": bool(fused),
-            "stage3_prefetch_bucket_size": int(stage3_prefetch_bucket_size),
-            "stage3_param_persistence_threshold": int(stage3_param_persistence_threshold),
-            "stage3_max_live_parameters": int(stage3_max_live_parameters),
-            "check_collective_order": bool(check_collective_order),
-            "skip_nonfinite_steps": bool(skip_nonfinite_steps),
-            "reduce_in_fp32": bool(reduce_in_fp32),
-            "gloo_reduce_scatter_all_to_all": bool(gloo_reduce_scatter_all_to_all),
-            "gloo_all_gather_broadcasts": bool(gloo_all_gather_broadcasts),
-            "stage1_reduce_in_backward": bool(stage1_reduce_in_backward),
+            **scalar_options,
             "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),
             "offload_param": offload_options(offload_param, "offload_param"),
-            "sub_group_size": int(sub_group_size),
             "aio": aio_options(aio),
             "materialize_device": str(torch.device(materialize_device)),
-            "gradient_divide_factor": float(gradient_divide_factor or 0.0),
         }
         self._impl = _C.ZeroOptimizer(
             [tp.locals(group["params"]) for group in self.param_groups],

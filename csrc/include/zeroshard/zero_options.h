@@ -107,6 +107,43 @@ struct ZeroOptions {
   TORCH_ARG(c10::Device, materialize_device) = c10::Device(c10::kCPU);
 };
 
+// [Note: one list of the scalar options]
+// The scalar options above (numbers and flags), by name, once. The Python
+// binding reads keyword arguments through it and exports the defaults
+// (zeroshard._C.zero_option_defaults(), which the Python signature uses), so
+// a scalar option is declared by its TORCH_ARG above and one line here; a
+// test checks that ZeroOptimizer's Python signature agrees. The structured
+// options (offload_optimizer, offload_param, aio, materialize_device) have
+// readers of their own.
+#define ZEROSHARD_SCALAR_ZERO_OPTIONS(X) \
+  X(stage)                               \
+  X(reduce_bucket_size)                  \
+  X(max_norm)                            \
+  X(overlap_comm)                        \
+  X(max_buckets_in_flight)               \
+  X(fused)                               \
+  X(reduce_in_fp32)                      \
+  X(gloo_reduce_scatter_all_to_all)      \
+  X(gloo_all_gather_broadcasts)          \
+  X(stage1_reduce_in_backward)           \
+  X(skip_nonfinite_steps)                \
+  X(broadcast_from_rank)                 \
+  X(gradient_divide_factor)              \
+  X(sub_group_size)                      \
+  X(stage3_prefetch_bucket_size)         \
+  X(stage3_param_persistence_threshold)  \
+  X(stage3_max_live_parameters)          \
+  X(check_collective_order)
+
+// Calls visit(name, value) for each scalar option, `value` a reference to
+// the option's field (const when `options` is).
+template <typename Options, typename Visitor>
+void for_each_scalar_zero_option(Options& options, Visitor&& visit) {
+#define ZEROSHARD_VISIT_ZERO_OPTION(name) visit(#name, options.name());
+  ZEROSHARD_SCALAR_ZERO_OPTIONS(ZEROSHARD_VISIT_ZERO_OPTION)
+#undef ZEROSHARD_VISIT_ZERO_OPTION
+}
+
 // Throws, naming the value and what is expected, if an option is invalid.
 void validate_zero_options(const ZeroOptions& options, int64_t world_size);
 
