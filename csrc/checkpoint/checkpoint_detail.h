@@ -5,6 +5,7 @@
 
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
+#include "zeroshard/error_agreement.h"
 #include "zeroshard/offloaded_optimizer_state.h"
 
 #include <ATen/core/Tensor.h>
@@ -73,9 +74,6 @@ void merge_manifests(nlohmann::json& index, const std::vector<std::string>& mani
 void publish(const nlohmann::json& index, const std::string& staging, const std::string& path,
              const CheckpointSaveOptions& options);
 
-// Every rank's string, in rank order (one all-reduce and one all-gather).
-std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
-                                            c10::Device device, const std::string& tag);
 // Every rank learns every rank's error and raises the same message, naming
 // the ranks that failed and what they saw.
 void agree_on_errors(Communicator& comm, const std::string& local_error, const std::string& what,
@@ -100,8 +98,5 @@ std::string await_commit_outcome(c10d::Store* store, const std::string& key);
 // send them through all_gather_strings.
 std::string encode_files(const CheckpointFiles& files);
 CheckpointFiles decode_files(const std::string& bytes);
-
-// The message agree_on_errors raises, from every rank's error ("" = none).
-std::string combined_error(const std::vector<std::string>& errors);
 
 }  // namespace zeroshard::checkpoint_detail

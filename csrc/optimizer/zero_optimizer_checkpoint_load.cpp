@@ -357,9 +357,8 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
   if (replica_comm_) {
     // Replicas load the same files; an error on any rank of any replica
     // stops every replica before anything changes.
-    const std::string agreed =
-        checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
-            *replica_comm_, error, device(), "replicas/checkpoint_load"));
+    const std::string agreed = combined_error(
+        all_gather_strings(*replica_comm_, error, device(), "replicas/checkpoint_load"));
     if (error.empty() && !agreed.empty()) {
       error = "another replica could not read it " + agreed;
     }

@@ -6,6 +6,7 @@
 // take identical steps. Parameter all-gathers never leave the shard group.
 #include "zeroshard/zero_optimizer.h"
 
+#include "zeroshard/error_agreement.h"
 #include "zeroshard/widened_gradient_chunk.h"
 
 #include "../checkpoint/checkpoint_detail.h"
@@ -41,19 +42,13 @@ void ZeroOptimizer::raise_if_any_rank_failed(const std::string& local_error,
 }
 
 std::string ZeroOptimizer::agreed_error(const std::string& local_error, const std::string& tag) {
-  std::string agreed = checkpoint_detail::combined_error(
-      checkpoint_detail::all_gather_strings(*comm_, local_error, device_, tag));
-  if (replica_comm_) {  // one node's failure stops every replica
-    agreed = checkpoint_detail::combined_error(
-        checkpoint_detail::all_gather_strings(*replica_comm_, agreed, device_, "replicas/" + tag));
-  }
-  // An expert-parallel peer of a failed rank would otherwise wait for it in
-  // the next collective until the timeout.
-  if (tensor_parallel_comm_) {
-    agreed = checkpoint_detail::combined_error(checkpoint_detail::all_gather_strings(
-        *tensor_parallel_comm_, agreed, device_, "tensor_parallel/" + tag));
-  }
-  return agreed;
+  // One node's failure stops every replica; an expert-parallel peer of a
+  // failed rank would otherwise wait for it in the next collective until the
+  // timeout.
+  return agree_on_error({{comm_.get(), ""},
+                         {replica_comm_.get(), "replicas/"},
+                         {tensor_parallel_comm_.get(), "tensor_parallel/"}},
+                        local_error, device_, tag);
 }
 
 void ZeroOptimizer::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
@@ -127,9 +122,9 @@ void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSav
   const std::string previous_error = finish_pending_checkpoint();
   std::string observer_error;  // the other replicas': their checkpoint store
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
-  const std::vector<std::string> replica_files = checkpoint_detail::all_gather_strings(
-      *replica_comm_, checkpoint_detail::encode_files(options.rank_files()), device_,
-      "replicas/checkpoint_rank_files");
+  const std::vector<std::string> replica_files =
+      all_gather_strings(*replica_comm_, checkpoint_detail::encode_files(options.rank_files()),
+                         device_, "replicas/checkpoint_rank_files");
   CheckpointSaveOptions with_replicas = options;
   std::string refusal;
   if (replica_comm_->rank() == 0) {

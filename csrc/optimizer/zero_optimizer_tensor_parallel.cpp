@@ -117,15 +117,14 @@ bool ZeroOptimizer::writes_checkpoint_piece(size_t g, size_t i) const {
 
 std::vector<std::string> ZeroOptimizer::all_gather_checkpoint_strings(const std::string& mine,
                                                                       const std::string& tag) {
-  std::vector<std::string> shard_group =
-      checkpoint_detail::all_gather_strings(*comm_, mine, device(), tag);
+  std::vector<std::string> shard_group = all_gather_strings(*comm_, mine, device(), tag);
   if (!tensor_parallel_comm_) {
     return shard_group;
   }
   std::vector<std::string> all;
-  for (const std::string& each : checkpoint_detail::all_gather_strings(
-           *tensor_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
-           "tensor_parallel/" + tag)) {
+  for (const std::string& each :
+       all_gather_strings(*tensor_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
+                          "tensor_parallel/" + tag)) {
     for (auto& one : nlohmann::json::parse(each)) {
       all.push_back(one.get<std::string>());
     }
@@ -139,8 +138,8 @@ void ZeroOptimizer::agree_on_checkpoint_errors(const std::string& local_error,
     checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());
     return;
   }
-  const std::string error = checkpoint_detail::combined_error(
-      all_gather_checkpoint_strings(local_error, "checkpoint_errors"));
+  const std::string error =
+      combined_error(all_gather_checkpoint_strings(local_error, "checkpoint_errors"));
   TORCH_CHECK_VALUE(error.empty(), "could not ", what, " ", error);
 }
 

@@ -1,0 +1,40 @@
+// Errors agreed across ranks: a failure on any rank becomes the same error on
+// every rank, so that no rank goes on into a collective the failed one will
+// never join (a hang until the timeout) and every log names what failed where.
+// The one mechanism behind construction, NVMe I/O, checkpoint and replica
+// agreements; stage 3's gather agreements are collective_agreement.h.
+#pragma once
+
+#include "zeroshard/communicator.h"
+
+#include <c10/core/Device.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace zeroshard {
+
+// Collective: every rank's string, in rank order (one all-reduce of the
+// longest length, one all-gather).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
+                                            c10::Device device, const std::string& tag);
+
+// The message every rank raises, from every rank's error ("" = none): "" when
+// none failed, else "(k of n ranks failed): rank r: ..." (or "every rank: ..."
+// when all failed alike).
+std::string combined_error(const std::vector<std::string>& errors);
+
+// A group an error agreement spans, and the prefix of its collectives' tags.
+struct AgreementGroup {
+  Communicator* comm = nullptr;  // null: not part of the scope
+  std::string tag_prefix;
+};
+
+// Collective over each group of `scope` in turn (every rank of every group
+// calls it): returns the combined error, the same on every rank of every
+// group; "" when no rank failed.
+std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
+                           c10::Device device, const std::string& tag);
+
+}  // namespace zeroshard
