@@ -1,8 +1,8 @@
 #include "zeroshard/memory_estimator.h"
 
 #include "zeroshard/nvme_gradient_swapper.h"
+#include "zeroshard/shard_chunk.h"
 #include "zeroshard/state_placement.h"
-#include "zeroshard/widened_gradient_chunk.h"
 
 #include <c10/util/Exception.h>
 
@@ -186,7 +186,7 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
     // ZeroOptimizer's update (zero_optimizer_update.cpp) widens a 16-bit
     // gradient a chunk at a time; with offload, see the device sub-groups below.
     if (options.offload_optimizer() == OffloadDevice::kNone && reduced < 4) {
-      estimate.step_bytes = 4 * std::min(static_cast<double>(kWidenedGradientChunk), psi / n);
+      estimate.step_bytes = 4 * std::min(static_cast<double>(kShardChunkElements), psi / n);
     }
   }
   auto offload = [&](OffloadDevice device, double& bytes) {

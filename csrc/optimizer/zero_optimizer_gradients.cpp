@@ -262,7 +262,7 @@ void ZeroOptimizer::for_each_gradient_chunk(
   }
   // A swapped shard is read a block at a time: each read is a transient of
   // its own, kept to the size of the blocks the swap already holds.
-  const int64_t chunk = swapped ? kGradientSwapBlockElements : kWidenedGradientChunk;
+  const int64_t chunk = swapped ? kGradientSwapBlockElements : kShardChunkElements;
   for (int64_t done = 0; done < length; done += chunk) {
     const int64_t numel = std::min(chunk, length - done);
     fn(swapped ? swapped->read(g, offset + done, numel) : shard.narrow(0, offset + done, numel));

@@ -4,7 +4,7 @@
 // offloaded_optimizer_state.h's; here they meet the shards and parameters.
 #include "zeroshard/zero_optimizer.h"
 
-#include "zeroshard/widened_gradient_chunk.h"
+#include "zeroshard/shard_chunk.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -134,8 +134,8 @@ void ZeroOptimizer::refresh_parameters_from_master() {
   // host memory is not meant to hold.
   for (size_t g = 0; g < shards_.size(); ++g) {
     const int64_t numel = layout_->group(g).shard_numel();
-    for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
-      const int64_t length = std::min(kWidenedGradientChunk, numel - done);
+    for (int64_t done = 0; done < numel; done += kShardChunkElements) {
+      const int64_t length = std::min(kShardChunkElements, numel - done);
       write_parameter_values(g, done,
                              read_master(g, done, length).to(shards_[g].param_options.dtype()),
                              /*async=*/false);

@@ -7,7 +7,7 @@
 #include "zeroshard/zero_optimizer.h"
 
 #include "zeroshard/error_agreement.h"
-#include "zeroshard/widened_gradient_chunk.h"
+#include "zeroshard/shard_chunk.h"
 
 #include "../checkpoint/checkpoint_detail.h"
 
@@ -94,8 +94,8 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
     // would be twice the 16-bit shard that offload took off it. Every replica
     // has the same layout, so all issue the same chunks.
     const int64_t numel = shard.numel();
-    for (int64_t done = 0; done < numel; done += kWidenedGradientChunk) {
-      at::Tensor host = shard.narrow(0, done, std::min(kWidenedGradientChunk, numel - done));
+    for (int64_t done = 0; done < numel; done += kShardChunkElements) {
+      at::Tensor host = shard.narrow(0, done, std::min(kShardChunkElements, numel - done));
       at::Tensor sum = host.to(device_);
       replica_comm_->all_reduce_sum(sum, tag);
       host.copy_(sum);

@@ -70,7 +70,7 @@ void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad
       at::Tensor master = master_slice(g, bucket).narrow(0, offset - bucket.shard_offset, length);
       // The update is elementwise: chunks of a run give the values the whole
       // run would.
-      const int64_t chunk = widen ? kWidenedGradientChunk : length;
+      const int64_t chunk = widen ? kShardChunkElements : length;
       for (int64_t done = 0; done < length; done += chunk) {
         const int64_t numel = std::min(chunk, length - done);
         auto part = [&](const at::Tensor& t) {

@@ -22,9 +22,9 @@ from torch import nn
 
 from zeroshard import _C, deepspeed_migration
 from zeroshard.auto import resolve_auto
+from zeroshard.checkpointing import _IN_FLIGHT
 from zeroshard.groups import data_parallel_groups, hybrid_groups
 from zeroshard.optimizer import ZeroOptimizer
-from zeroshard.optimizer_state import _IN_FLIGHT
 from zeroshard.units import resolve_unit_classes
 
 

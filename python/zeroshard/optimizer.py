@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C
+from zeroshard.checkpointing import _LIVE, OptimizerCheckpointing
 from zeroshard.groups import data_parallel_groups
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
-from zeroshard.optimizer_state import _LIVE, OptimizerState
 from zeroshard.sharded_parameter import adopt_sharded_parameters
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
@@ -104,7 +104,7 @@ def _checkpoint_prefix() -> str:
     return f"zeroshard/checkpoints/optimizer{next(_optimizers_built)}"
 
 
-class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer):
+class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
@@ -540,7 +540,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerState, torch.optim.Optimizer
             self._impl.unpin_parameters(chosen, -1 if modifier_rank is None else modifier_rank)
 
     def _release_at_exit(self) -> None:
-        """See [Note: release at exit] in optimizer_state.py; unusable afterwards."""
+        """See [Note: release at exit] in checkpointing.py; unusable afterwards."""
         self.remove_hooks()
         self._impl = None
         self._process_group = None

@@ -1,6 +1,6 @@
 #include "zeroshard/memory_estimator.h"
+#include "zeroshard/shard_chunk.h"
 #include "zeroshard/traffic_estimator.h"
-#include "zeroshard/widened_gradient_chunk.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -234,7 +234,7 @@ TEST(MemoryEstimatorTest, TheStepWidensOneChunkOfA16BitGradientAtATime) {
   // widened to fp32 4M elements at a time (16 MiB), whatever the stage.
   const auto options = EstimateOptions().num_params(1e9).world_size(8);
   for (int64_t stage : {1, 2, 3}) {
-    EXPECT_DOUBLE_EQ(estimate_memory(stage, options).step_bytes, 4.0 * kWidenedGradientChunk);
+    EXPECT_DOUBLE_EQ(estimate_memory(stage, options).step_bytes, 4.0 * kShardChunkElements);
   }
   EXPECT_EQ(estimate_memory(0, options).step_bytes, 0);
   // A shard smaller than a chunk is widened whole.

@@ -1,7 +1,7 @@
 """The on-device update is torch.optim's single-tensor path, op for op.
 
 On CPU it runs over L2-sized pieces of the shard, a range of pieces per
-thread ([Note: cache-sized update chunks] in csrc/optim/inner_optimizer.cpp).
+thread ([Note: cache-sized update chunks] in csrc/update_rules/inner_optimizer.cpp).
 Elementwise ops give each element the same value whatever the pieces, so the
 result must equal torch.optim's (foreach=False, the CPU default) exactly, for
 shards of one piece and of many with a ragged last piece, on 1 and 2 threads.
@@ -71,7 +71,7 @@ def test_update_equals_torch_optim_single_tensor_exactly(case: str, numel: int, 
 
 # ---- 16-bit gradient shards larger than one widening chunk -------------------------
 
-WIDE = (1 << 22) * 2 + 4099  # a rank's shard spans three kWidenedGradientChunk pieces
+WIDE = (1 << 22) * 2 + 4099  # a rank's shard spans three kShardChunkElements pieces
 
 
 class _Wide(torch.nn.Module):

@@ -7,7 +7,7 @@
 #pragma once
 
 #include "zeroshard/host_optimizer_kernel.h"
-#include "zeroshard/widened_gradient_chunk.h"
+#include "zeroshard/shard_chunk.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/api/include/torch/optim/optimizer.h>

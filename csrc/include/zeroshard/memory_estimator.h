@@ -97,7 +97,7 @@ struct MemoryEstimate {
   // device the reduce-scatters' receive buffers.
   double staging_bytes = 0;
   // Stages 1-3, the step's fp32 transient on the device: a 16-bit gradient
-  // updated on the device is widened to fp32 a chunk of kWidenedGradientChunk
+  // updated on the device is widened to fp32 a chunk of kShardChunkElements
   // elements at a time (or the whole shard, if smaller); with partial
   // offload, a device sub-group's gradient is widened and scaled whole (two
   // fp32 copies, one for fp32 gradients). With every sub-group offloaded the

@@ -498,7 +498,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // Collective there; nothing otherwise.
   void raise_gradient_swap_failure(const std::string& what);
   // Calls fn on [offset, offset + length) of group g's gradient shard, at most
-  // kWidenedGradientChunk elements at a time (views of the shard), or
+  // kShardChunkElements elements at a time (views of the shard), or
   // kGradientSwapBlockElements (fp32 copies read from its swap space).
   void for_each_gradient_chunk(size_t g, int64_t offset, int64_t length,
                                const std::function<void(const at::Tensor&)>& fn) const;

@@ -25,7 +25,7 @@ def attach_no_sync(model: nn.Module, optimizer: ZeroOptimizer) -> None:
     """Gives ``model`` the ``no_sync()`` that accelerate's ``no_sync(model)`` looks up.
 
     By weak reference: the model must not keep the optimizer (and its process
-    group) alive (see [Note: release at exit] in optimizer_state.py).
+    group) alive (see [Note: release at exit] in checkpointing.py).
     """
     ref = weakref.ref(optimizer)
 

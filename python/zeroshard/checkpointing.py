@@ -18,7 +18,7 @@ _STATE_KEY = "zeroshard_shard"
 
 # Optimizers with an asynchronous save in flight: interpreter exit waits for
 # them (the C++ destructor would too, but exit may not run it).
-_IN_FLIGHT: weakref.WeakSet[OptimizerState] = weakref.WeakSet()
+_IN_FLIGHT: weakref.WeakSet[OptimizerCheckpointing] = weakref.WeakSet()
 # Every optimizer of this process: interpreter exit releases what a live one
 # still holds (see [Note: release at exit]).
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # ZeroOptimizer's, with _release_at_exit
@@ -50,7 +50,7 @@ def _at_exit() -> None:
             print(f"[zeroshard] releasing an optimizer at exit: {error}", file=sys.stderr)
 
 
-class OptimizerState:
+class OptimizerCheckpointing:
     """Saving and loading of the C++ optimizer ``self._impl``."""
 
     _impl: Any
