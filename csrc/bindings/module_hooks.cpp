@@ -62,15 +62,27 @@ py::list register_unit_hooks(py::object optimizer, py::object module, int64_t un
 // The model's own forward: the agreement's barrier at its end (see
 // ZeroOptimizer::model_forward_begin).
 py::list register_model_forward_hooks(py::object optimizer, py::object module) {
-  py::cpp_function pre_hook([optimizer](py::object, py::object) {
-    optimizer.cast<ZeroOptimizer&>().model_forward_begin();
-  });
-  py::cpp_function post_hook([optimizer](py::object, py::object, py::object output) {
+  // The exception being handled when each (possibly nested) forward began:
+  // a forward called from inside an except clause is not one that raised.
+  py::list handled_at_entry;
+  auto handled_now = [] { return py::module_::import("sys").attr("exc_info")()[py::int_(1)]; };
+  py::cpp_function pre_hook(
+      [optimizer, handled_at_entry, handled_now](py::object, py::object) mutable {
+        handled_at_entry.append(handled_now());
+        optimizer.cast<ZeroOptimizer&>().model_forward_begin();
+      });
+  py::cpp_function post_hook([optimizer, handled_at_entry, handled_now](py::object, py::object,
+                                                                        py::object output) mutable {
     auto& opt = optimizer.cast<ZeroOptimizer&>();
+    py::object at_entry = py::none();
+    if (py::len(handled_at_entry) > 0) {
+      at_entry = handled_at_entry.attr("pop")();
+    }
     // With always_call, torch runs this hook from its except clause when the
-    // forward raised (output None, the exception being handled).
-    const bool raised =
-        output.is_none() && !py::module_::import("sys").attr("exc_info")()[py::int_(0)].is_none();
+    // forward raised: output None and an exception handled that was not
+    // handled already when the forward began.
+    const py::object handled = handled_now();
+    const bool raised = output.is_none() && !handled.is_none() && !handled.is(at_entry);
     py::gil_scoped_release release;
     opt.model_forward_end(raised);
   });

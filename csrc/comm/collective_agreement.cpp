@@ -33,6 +33,7 @@ int64_t request_hash(const AgreementRequest& request) {
     }
   }
   mix(static_cast<int64_t>(request.barrier));
+  mix(request.round_open ? 1 : 0);
   return static_cast<int64_t>(hash >> 1);
 }
 
@@ -90,7 +91,7 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
   const int64_t prefetch_at = num_units_;
   const int64_t ready_at = 2 * num_units_;
   const int64_t barrier_at = ready_at + num_buckets_;
-  at::Tensor counts = at::zeros({barrier_at + 3}, at::kLong);
+  at::Tensor counts = at::zeros({barrier_at + 4}, at::kLong);
   auto* c = counts.data_ptr<int64_t>();
   for (int64_t unit : request.demand) {
     c[demand_at + unit] = 1;
@@ -105,6 +106,7 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
   c[barrier_at] = at_barrier ? 1 : 0;
   c[barrier_at + 1] = kind;
   c[barrier_at + 2] = kind * kind;
+  c[barrier_at + 3] = request.round_open ? 1 : 0;
   counts = counts.to(device_);
   comm_.all_reduce_sum(counts, "agreement_counts");
   counts = counts.cpu();
@@ -120,6 +122,7 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
     }
   }
   out.all_at_barrier = c[barrier_at] == world;
+  out.round_open_on_some_ranks_only = c[barrier_at + 3] > 0 && c[barrier_at + 3] < world;
   // Equal kinds k on every rank <=> sum = W k and sum of squares = W k^2.
   out.barriers_differ = out.all_at_barrier && (c[barrier_at + 1] != world * kind ||
                                                c[barrier_at + 2] != world * kind * kind);

@@ -154,20 +154,27 @@ at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
 void ZeroOptimizer::on_backward_end(bool outermost) {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
+  bool join_round = false;
   if (gatherer_) {
     // Agreed reductions and other ranks' gathers until every rank's backward
     // ended; the buckets left then are flushed in one order everywhere.
-    gatherer_->wait_for_all_ranks(outermost ? AgreementBarrier::kBackwardEnd
-                                            : AgreementBarrier::kInnerBackwardEnd);
+    join_round = gatherer_->wait_for_all_ranks(outermost ? AgreementBarrier::kBackwardEnd
+                                                         : AgreementBarrier::kInnerBackwardEnd);
   }
   if (gradient_sync_ && !(options_.stage() == 1 && stage1_stale_)) {
+    // Another rank's backward delivered gradients and this one's none (data
+    // took it past every trainable parameter): it runs the same round, its
+    // buckets all zeros, as the others flush theirs.
+    if (join_round) {
+      buckets_->require_round();
+    }
     // Stage 1 keeps .grad; stages 2 and 3 move what is left into the buckets.
     buckets_->flush(
         [this](size_t g, int64_t i) {
           return options_.stage() == 1 ? param_groups_[g].params()[i].grad()
                                        : take_leftover_grad(g, i);
         },
-        /*force_round=*/false);
+        /*force_round=*/join_round);
     buckets_->wait_all();
   }
   // An inner (reentrant checkpoint) backward must not release what the

@@ -255,6 +255,11 @@ void ParameterGatherer::gather_agreed(size_t g, size_t b) {
   if (bucket.persistent) {
     return;  // persistent on every rank alike: never in a collective here
   }
+  if (bucket.pins > 0) {
+    // Pinned on every rank alike (pin is collective), so gathered everywhere;
+    // a re-gather would overwrite a modifier rank's edits with the shards.
+    return;
+  }
   if (!bucket.materialized) {
     gather(g, b, /*wait=*/false);
     return;
@@ -278,18 +283,19 @@ Agreement ParameterGatherer::run_agreement(AgreementRequest request) {
     for (const auto& [g, b] : unit_buckets_.at(unit)) {
       gather_agreed(g, b);
     }
-  }
-  if (reductions_) {
-    reductions_->launch_agreed(agreed.reduce);
-  }
-  // Units gathered only because another rank demanded them.
-  for (int64_t unit : agreed.gather) {
     if (mine.count(unit) == 0) {
+      // Gathered only because another rank demanded it: released before the
+      // next, so that other ranks' demands never hold more than one unit
+      // beyond stage3_max_live_parameters here. Every rank still issues one
+      // all-gather per agreed bucket, in the same order.
       for (const auto& [g, b] : unit_buckets_.at(unit)) {
         state(g, b).pending.wait();
         maybe_release(g, b);
       }
     }
+  }
+  if (reductions_) {
+    reductions_->launch_agreed(agreed.reduce);
   }
   return agreed;
 }
@@ -307,14 +313,15 @@ void ParameterGatherer::obtain_agreed(int64_t unit) {
   wait_unit(unit);
 }
 
-void ParameterGatherer::wait_for_all_ranks(AgreementBarrier barrier) {
+bool ParameterGatherer::wait_for_all_ranks(AgreementBarrier barrier) {
   if (!agreement_) {
-    return;
+    return false;
   }
   comm_.note("barrier", agreement_barrier_name(barrier));
   while (true) {
     AgreementRequest request;
     request.barrier = barrier;
+    request.round_open = reductions_ != nullptr && reductions_->round_open();
     const Agreement agreed = run_agreement(std::move(request));
     if (!agreed.all_at_barrier) {
       continue;  // served another rank's gathers; it has not arrived yet
@@ -326,8 +333,10 @@ void ParameterGatherer::wait_for_all_ranks(AgreementBarrier barrier) {
                       "every rank must run the same number of forward passes of the model and of "
                       "backward passes, and call step() together; e.g. give every rank the same "
                       "number of micro-batches, and run any extra forward (logging, evaluation) on "
-                      "every rank");
-    return;
+                      "every rank. A reentrant activation checkpoint (use_reentrant=True) run on "
+                      "some ranks only counts as a backward pass of its own there: use "
+                      "use_reentrant=False");
+    return agreed.round_open_on_some_ranks_only && !(reductions_ && reductions_->round_open());
   }
 }
 

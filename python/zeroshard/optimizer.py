@@ -147,7 +147,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             modules (data-dependent routing, a branch on one rank, a module
             called twice here and once there), and compare every other
             collective, so a real divergence raises instead of hanging.
-            False: every rank must run the same modules in the same order.
+            Collectives of your own inside a forward whose modules differ
+            between ranks (an expert-parallel all-to-all) need the block that
+            issues them to be one unit (``set_leaf_modules``). False: every
+            rank must run the same modules in the same order.
         skip_nonfinite_steps: a step whose gradients hold inf/NaN on any rank
             is skipped on every rank (see ``last_step_skipped()``).
         reduce_in_fp32: 16-bit parameters: reduce gradients in fp32.

@@ -386,3 +386,101 @@ def test_leaf_module_trains_alike_without_diverging() -> None:
         )
         assert leaf <= TOLERANCE, leaf
         assert negotiated <= TOLERANCE, negotiated
+
+
+# ---- A rank whose backward delivers no gradient -----------------------------------
+
+
+class Adapted(nn.Module):
+    """A frozen base and head with a trainable adapter that only samples whose
+    feature 0 is above 2 pass through (the data puts such a sample on rank 0
+    only, on even steps): on those steps rank 1's backward reaches no
+    trainable parameter, yet it must join the gradient round rank 0 runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(WIDTH, WIDTH)
+        self.adapter = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+        for frozen in (self.base, self.head):
+            frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.base(x))
+        rows = (x[:, 0] > 2).nonzero().squeeze(-1)
+        if rows.numel() > 0:
+            h = h.index_add(0, rows, self.adapter(h[rows]))
+        return self.head(h)
+
+
+def adapted_batch(step: int, rank: int | None, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    x[:, 0] = x[:, 0].clamp(max=1.5)
+    if step % 2 == 0:
+        x[0, 0] = 3.0  # sample 0: rank 0 at every world size
+    if rank is not None:
+        per_rank = BATCH // world
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
+    return x.requires_grad_(True), y  # the loss needs a graph where no parameter is trained
+
+
+def _train_adapted(rank: int, world: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(2)
+    model = Adapted()
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(),
+        "adamw",
+        stage=3,
+        module=model,
+        stage3_param_persistence_threshold=0,
+        unit_classes=(nn.Linear,),
+        lr=LR,
+    )
+    for step in range(4):
+        optimizer.zero_grad()
+        loss_of(model, *adapted_batch(step, rank, world)).backward()
+        optimizer.step()
+    with optimizer.gathered_parameters():
+        return snapshot(model)
+
+
+def test_a_rank_whose_backward_reaches_no_trained_parameter_joins_the_round() -> None:
+    torch.manual_seed(2)
+    model = Adapted()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(4):
+        optimizer.zero_grad()
+        loss_of(model, *adapted_batch(step, None, 1)).backward()
+        optimizer.step()
+    expected = snapshot(model)
+    for rank, params in enumerate(unwrap(run_ranks(2, _train_adapted, timeout=120))):
+        diff = max_abs_diff(params, expected)
+        print(f"rank {rank}: {diff:.3e} from single-process")
+        assert diff <= TOLERANCE, diff
+
+
+# ---- gathered_parameters nested under a modifier ----------------------------------
+
+
+def _nested_modifier(rank: int, world: int) -> list[float]:
+    model = make_model(twice=False, branch=False)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), "adamw", stage=3, module=model, stage3_param_persistence_threshold=0
+    )
+    weight = model.experts[1].up.weight
+    with optimizer.gathered_parameters([weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                weight.fill_(0.5)
+        with optimizer.gathered_parameters([weight]):  # nested: must not re-gather
+            pass
+    with optimizer.gathered_parameters([weight]):
+        return weight.detach().flatten().tolist()
+
+
+def test_a_nested_gather_keeps_the_modifier_ranks_edits() -> None:
+    for rank, values in enumerate(unwrap(run_ranks(2, _nested_modifier))):
+        assert set(values) == {0.5}, (rank, sorted(set(values))[:4])

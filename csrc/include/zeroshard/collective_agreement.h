@@ -21,6 +21,12 @@
 //     when every rank is at one, after serving what the others demanded
 //     meanwhile; ranks at different kinds of barrier (one steps while another
 //     runs another backward) is an error raised on every rank.
+// Not covered: collectives a rank issues itself inside a forward or backward
+// whose units differ between ranks (an expert-parallel all-to-all, a
+// tensor-parallel all-reduce) may meet another rank's agreement; the block
+// issuing them must be one unit, gathered alike everywhere. A rank whose
+// backward delivered no gradient still joins the round another rank runs
+// (AgreementRequest::round_open).
 // Cost: when every rank asks the same (the common path) one all-reduce of two
 // integers (a hash of the request, as the order check compares one
 // collective); otherwise a second all-reduce of one count per unit and per
@@ -57,6 +63,10 @@ struct AgreementRequest {
   std::vector<int64_t> prefetch;  // units this rank would gather ahead
   std::vector<int64_t> ready;     // gradient buckets complete here, not yet reduced
   AgreementBarrier barrier = AgreementBarrier::kNone;
+  // A gradient reduction round is open here (some gradient arrived): at the
+  // end of backward every rank must run the round if any rank does, even one
+  // whose backward delivered no gradient.
+  bool round_open = false;
 };
 
 // What every rank issues, the same on every rank.
@@ -66,6 +76,10 @@ struct Agreement {
   bool all_at_barrier = false;   // every rank asked with a barrier
   bool barriers_differ = false;  // ... and not all the same kind
   bool unanimous = false;        // every rank asked exactly the same
+  // Some ranks asked with round_open, not all: those rounds cannot have
+  // closed in this agreement (a bucket is reduced only once complete on
+  // every rank), so the other ranks must join them.
+  bool round_open_on_some_ranks_only = false;
 };
 
 class CollectiveAgreement {

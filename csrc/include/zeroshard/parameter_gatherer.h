@@ -116,8 +116,10 @@ class ParameterGatherer {
   const CollectiveAgreement* agreement() const { return agreement_.get(); }
   // Collective when negotiated: returns once every rank is at a barrier,
   // having served what the others demanded meanwhile; ranks at different
-  // kinds of barrier raise on every rank. A no-op otherwise.
-  void wait_for_all_ranks(AgreementBarrier barrier);
+  // kinds of barrier raise on every rank. Returns whether this rank must
+  // join a gradient round other ranks have open and it has not (false when
+  // not negotiated: a no-op then).
+  bool wait_for_all_ranks(AgreementBarrier barrier);
 
   // Gathers (and waits for) the given buckets and holds them until unpin.
   void pin(const std::vector<BucketId>& buckets);
