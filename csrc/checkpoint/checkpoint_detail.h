@@ -19,23 +19,6 @@
 
 namespace zeroshard::checkpoint_detail {
 
-// The name checkpoints give a state: "master", "exp_avg", ...
-inline const char* checkpoint_state_name(OptimizerStateName name) {
-  switch (name) {
-    case OptimizerStateName::kMaster:
-      return "master";
-    case OptimizerStateName::kExpAvg:
-      return "exp_avg";
-    case OptimizerStateName::kExpAvgSq:
-      return "exp_avg_sq";
-    case OptimizerStateName::kMaxExpAvgSq:
-      return "max_exp_avg_sq";
-    case OptimizerStateName::kMomentumBuffer:
-      return "momentum_buffer";
-  }
-  return "?";
-}
-
 std::string rank_file_name(int64_t rank);
 std::string join(const std::string& dir, const std::string& name);
 std::string message_of(const std::exception& e);

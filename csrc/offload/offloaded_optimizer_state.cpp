@@ -39,22 +39,6 @@ class CopyFence {
 
 size_t index_of(OptimizerStateName name) { return static_cast<size_t>(name); }
 
-const char* state_name(OptimizerStateName name) {
-  switch (name) {
-    case OptimizerStateName::kMaster:
-      return "master";
-    case OptimizerStateName::kExpAvg:
-      return "exp_avg";
-    case OptimizerStateName::kExpAvgSq:
-      return "exp_avg_sq";
-    case OptimizerStateName::kMaxExpAvgSq:
-      return "max_exp_avg_sq";
-    case OptimizerStateName::kMomentumBuffer:
-      return "momentum_buffer";
-  }
-  return "unknown";
-}
-
 template <typename T>
 T* at_offset(const at::Tensor& t, int64_t offset) {
   return t.defined() ? t.data_ptr<T>() + offset : nullptr;
@@ -136,7 +120,7 @@ void OffloadedOptimizerState::initialize_group(size_t g, const at::Tensor& maste
 void OffloadedOptimizerState::check_swap_room(size_t g, OptimizerStateName name) const {
   const bool any_on_nvme = std::any_of(groups_[g].begin(), groups_[g].end(),
                                        [&](const SubGroupState& s) { return on_nvme(s); });
-  TORCH_CHECK(!any_on_nvme || swap_slot(name) >= 0, "optimizer state '", state_name(name),
+  TORCH_CHECK(!any_on_nvme || swap_slot(name) >= 0, "optimizer state '", optimizer_state_name(name),
               "' has no room in the NVMe swap space, which was reserved at construction for "
               "the states the hyper-parameters needed then (amsgrad turned on later, or a "
               "checkpoint saved with amsgrad?); construct the optimizer with amsgrad=True");
@@ -236,7 +220,7 @@ void OffloadedOptimizerState::for_each_piece(size_t g, int64_t offset, int64_t l
 
 at::Tensor OffloadedOptimizerState::read(size_t g, OptimizerStateName name, int64_t offset,
                                          int64_t length, const at::TensorOptions& options) const {
-  TORCH_CHECK(has(g, name), "optimizer state '", state_name(name), "' of group ", g,
+  TORCH_CHECK(has(g, name), "optimizer state '", optimizer_state_name(name), "' of group ", g,
               " does not exist");
   check_swap_room(g, name);
   at::Tensor out = at::empty({length}, options.dtype(at::kFloat));

@@ -21,9 +21,6 @@ std::string group_key(size_t g, const char* name) {
   return "group" + std::to_string(g) + "_" + name;
 }
 
-const char* const kStateNames[] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                                   "momentum_buffer"};
-
 }  // namespace
 
 ShardState ZeroOptimizer::shard_state() const {
@@ -37,17 +34,19 @@ ShardState ZeroOptimizer::shard_state() const {
   state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(shards_.size())));
   for (size_t g = 0; g < shards_.size(); ++g) {
     const GroupShards& shard = shards_[g];
-    state.emplace_back(group_key(g, "master"), master_shard(g));
+    state.emplace_back(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)),
+                       master_shard(g));
     const at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
                                    &shard.momentum_buffer};
     for (size_t k = 0; k < 4; ++k) {
-      const auto name = static_cast<OptimizerStateName>(k + 1);
+      const OptimizerStateName name = kAllOptimizerStates[k + 1];
       if (offloaded_ && offloaded_->has(g, name)) {
-        state.emplace_back(group_key(g, kStateNames[k + 1]),
+        state.emplace_back(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])),
                            offloaded_->read(g, name, 0, layout_->group(g).shard_numel(),
                                             fp32_options().device(c10::kCPU)));
       } else if (tensors[k]->defined()) {
-        state.emplace_back(group_key(g, kStateNames[k + 1]), tensors[k]->detach().clone());
+        state.emplace_back(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])),
+                           tensors[k]->detach().clone());
       }
     }
     state.emplace_back(group_key(g, "steps"), at::tensor(shard.steps, at::kLong));
@@ -90,16 +89,16 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
                       "this optimizer state was saved with another partition layout "
                       "(different parameters, groups or reduce_bucket_size)");
     for (size_t g = 0; g < shards_.size(); ++g) {
-      for (const char* name : kStateNames) {
-        auto it = by_key.find(group_key(g, name));
+      for (OptimizerStateName state : kAllOptimizerStates) {
+        auto it = by_key.find(group_key(g, optimizer_state_name(state)));
         if (it != by_key.end()) {
           TORCH_CHECK_VALUE(it->second.numel() == layout_->group(g).shard_numel(), "state '",
                             it->first, "' has ", it->second.numel(), " elements, expected ",
                             layout_->group(g).shard_numel());
         }
       }
-      TORCH_CHECK_VALUE(by_key.count(group_key(g, "master")) == 1, "state '",
-                        group_key(g, "master"), "' is missing");
+      const std::string master = group_key(g, optimizer_state_name(OptimizerStateName::kMaster));
+      TORCH_CHECK_VALUE(by_key.count(master) == 1, "state '", master, "' is missing");
       auto it = by_key.find(group_key(g, "steps"));
       TORCH_CHECK_VALUE(
           it != by_key.end() && it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
@@ -114,16 +113,17 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < shards_.size(); ++g) {
     GroupShards& shard = shards_[g];
-    set_master_shard(g, by_key.at(group_key(g, "master")).to(fp32_options()));
+    set_master_shard(g, by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
+                            .to(fp32_options()));
     at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
                              &shard.momentum_buffer};
     for (size_t k = 0; k < 4; ++k) {
-      auto it = by_key.find(group_key(g, kStateNames[k + 1]));
+      auto it = by_key.find(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])));
       if (it == by_key.end()) {
         continue;
       }
       if (offloaded_) {
-        offloaded_->write(g, static_cast<OptimizerStateName>(k + 1), 0, it->second);
+        offloaded_->write(g, kAllOptimizerStates[k + 1], 0, it->second);
         continue;
       }
       if (!tensors[k]->defined()) {
@@ -165,8 +165,8 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
     read(key);
   }
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    for (const char* name : kStateNames) {
-      read(group_key(g, name));
+    for (OptimizerStateName state : kAllOptimizerStates) {
+      read(group_key(g, optimizer_state_name(state)));
     }
     read(group_key(g, "steps"));
   }

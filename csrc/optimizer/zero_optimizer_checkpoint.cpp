@@ -46,12 +46,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using checkpoint_detail::checkpoint_state_name;
 using checkpoint_detail::message_of;
-
-constexpr std::array<OptimizerStateName, 5> kAllStates = {
-    OptimizerStateName::kMaster, OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq,
-    OptimizerStateName::kMaxExpAvgSq, OptimizerStateName::kMomentumBuffer};
 
 // Host memory for an asynchronous save's copy of the state: pinned on CUDA
 // (the copy out of device memory is then a DMA), else an anonymous mapping
@@ -218,7 +213,7 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
           const auto runs = checkpoint_detail::unsplit_runs(tensor_parallel_split(g, i),
                                                             param_groups_[g].params()[i].sizes(),
                                                             segment.param_offset, segment.numel);
-          for (OptimizerStateName state : kAllStates) {
+          for (OptimizerStateName state : kAllOptimizerStates) {
             if (!has_state(g, state)) {
               continue;
             }
@@ -226,7 +221,7 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
             for (const auto& run : runs) {
               const bool strided = run.count > 1;
               sources.push_back({g, state, offset, run.numel()});
-              pieces.push_back({parameter_name(g, i), checkpoint_state_name(state), run.begin,
+              pieces.push_back({parameter_name(g, i), optimizer_state_name(state), run.begin,
                                 run.numel(), strided ? run.run : 0, strided ? run.stride : 0});
               offset += run.numel();
             }

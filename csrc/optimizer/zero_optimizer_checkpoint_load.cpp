@@ -27,13 +27,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using checkpoint_detail::checkpoint_state_name;
 using checkpoint_detail::join;
 using checkpoint_detail::message_of;
-
-constexpr std::array<OptimizerStateName, 5> kAllStates = {
-    OptimizerStateName::kMaster, OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq,
-    OptimizerStateName::kMaxExpAvgSq, OptimizerStateName::kMomentumBuffer};
 
 std::string verified_file(const std::string& dir, const std::string& name, const json& record) {
   const std::string path = join(dir, name);
@@ -141,9 +136,9 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       const json& entry = *match[g][segment.param_index];
       const std::string& name = entry.at("name").get_ref<const std::string&>();
       const json& states = entry.at("states");
-      if (!states.contains(checkpoint_state_name(state))) {
+      if (!states.contains(optimizer_state_name(state))) {
         TORCH_CHECK_VALUE(state != OptimizerStateName::kMaster && entry.at("step") == 0,
-                          "checkpoint ", path, " has no ", checkpoint_state_name(state),
+                          "checkpoint ", path, " has no ", optimizer_state_name(state),
                           " for parameter '", name, "'");
         zero(segment.shard_offset, segment.numel);
         continue;
@@ -155,7 +150,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       const auto wanted_runs = checkpoint_detail::unsplit_runs(
           tensor_parallel_split(g, i), param_groups_[g].params()[i].sizes(), begin, segment.numel);
       int64_t covered = 0;
-      for (const auto& piece : states.at(checkpoint_state_name(state))) {
+      for (const auto& piece : states.at(optimizer_state_name(state))) {
         const int64_t numel = piece.at("numel");
         checkpoint_detail::ElementRuns stored{piece.at("begin"), numel, numel, 1};
         if (piece.contains("run")) {
@@ -182,7 +177,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
         TORCH_CHECK_VALUE(crc32c(buffer.data_ptr(), static_cast<size_t>(numel) * 4) ==
                               piece.at("crc32c").get<uint32_t>(),
                           "checksum mismatch in ", reader.path(), " for ",
-                          checkpoint_state_name(state), " of parameter '", name,
+                          optimizer_state_name(state), " of parameter '", name,
                           "' (the piece from element ", stored.begin, "): the file is corrupt");
         const float* source = buffer.data_ptr<float>();
         for (const auto& [to, from, length] : shared) {
@@ -191,7 +186,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
         }
       }
       TORCH_CHECK_VALUE(covered == segment.numel, "checkpoint ", path, " covers ", covered,
-                        " of elements ", begin, " to ", end, " of ", checkpoint_state_name(state),
+                        " of elements ", begin, " to ", end, " of ", optimizer_state_name(state),
                         " of parameter '", name, "'");
       any = true;
     }
@@ -306,7 +301,7 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
       const int64_t shard_numel = layout_->group(g).shard_numel();
       const torch::optim::OptimizerOptions& group_options =
           same_grouping ? *saved_options[g] : param_groups_[g].options();
-      for (OptimizerStateName state : kAllStates) {
+      for (OptimizerStateName state : kAllOptimizerStates) {
         const bool wanted = state == OptimizerStateName::kMaster ||
                             (with_state && inner_optimizer_uses_state(inner_kind_, group_options,
                                                                       static_cast<int>(state)));
@@ -450,13 +445,13 @@ LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
     }
     at::Tensor* tensors[] = {nullptr, &shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
                              &shard.momentum_buffer};
-    for (size_t k = 1; k < kAllStates.size(); ++k) {
+    for (size_t k = 1; k < kAllOptimizerStates.size(); ++k) {
       const at::Tensor& values = loaded[g][k];
       if (!values.defined()) {
         continue;
       }
       if (offloaded_) {
-        offloaded_->write(g, kAllStates[k], 0, values);
+        offloaded_->write(g, kAllOptimizerStates[k], 0, values);
       } else if (tensors[k]->defined()) {
         tensors[k]->copy_(values);
       } else {

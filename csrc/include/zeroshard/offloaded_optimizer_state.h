@@ -29,6 +29,7 @@
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/nvme_state_swapper.h"
+#include "zeroshard/optimizer_states.h"
 #include "zeroshard/state_placement.h"
 
 #include <ATen/core/Tensor.h>
@@ -41,8 +42,6 @@
 #include <vector>
 
 namespace zeroshard {
-
-enum class OptimizerStateName { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer };
 
 class OffloadedOptimizerState {
  public:
