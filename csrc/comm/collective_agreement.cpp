@@ -1,6 +1,5 @@
 #include "zeroshard/collective_agreement.h"
 
-#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -14,27 +13,19 @@ void sort_unique(std::vector<int64_t>& values) {
   values.erase(std::unique(values.begin(), values.end()), values.end());
 }
 
-// FNV-1a over the request's numbers, each list preceded by its length so
-// that ([1], [2]) and ([1, 2], []) differ; kept positive so that max(-x)
-// gives the minimum.
-int64_t request_hash(const AgreementRequest& request) {
-  uint64_t hash = 1469598103934665603ull;
-  auto mix = [&hash](int64_t value) {
-    auto bits = static_cast<uint64_t>(value);
-    for (int byte = 0; byte < 8; ++byte) {
-      hash = (hash ^ (bits & 0xffu)) * 1099511628211ull;
-      bits >>= 8;
-    }
-  };
+// The request's numbers, each list preceded by its length so that ([1], [2])
+// and ([1, 2], []) differ.
+int64_t request_signature(const AgreementRequest& request) {
+  Signature signature;
   for (const auto* list : {&request.demand, &request.prefetch, &request.ready}) {
-    mix(static_cast<int64_t>(list->size()));
+    signature.mix(static_cast<int64_t>(list->size()));
     for (int64_t value : *list) {
-      mix(value);
+      signature.mix(value);
     }
   }
-  mix(static_cast<int64_t>(request.barrier));
-  mix(request.round_open ? 1 : 0);
-  return static_cast<int64_t>(hash >> 1);
+  signature.mix(static_cast<int64_t>(request.barrier));
+  signature.mix(request.round_open ? 1 : 0);
+  return signature.value();
 }
 
 }  // namespace
@@ -69,12 +60,9 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
   const int64_t world = comm_.world_size();
   const bool at_barrier = request.barrier != AgreementBarrier::kNone;
 
-  const int64_t hash = request_hash(request);
-  at::Tensor extremes = at::tensor({hash, -hash}, at::kLong).to(device_);
-  comm_.all_reduce_max(extremes, "agreement");
-  extremes = extremes.cpu();
-  const auto* e = extremes.data_ptr<int64_t>();
-  if (e[0] == hash && -e[1] == hash) {
+  const int64_t signature = request_signature(request);
+  const auto [largest, smallest] = comm_.extremes(signature, device_, "agreement");
+  if (largest == signature && smallest == signature) {
     // Every rank asked the same: act on this rank's own request.
     out.unanimous = true;
     out.gather = request.demand;

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <thread>
+#include <tuple>
 
 namespace zeroshard {
 namespace {
@@ -220,21 +221,14 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
   }
   const std::string description = std::string(collective_kind_name(kind)) + " '" + tag + "' of " +
                                   std::to_string(tensor.numel()) + " elements";
-  // FNV-1a of the description, kept positive so that max(-x) gives the minimum.
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : description) {
-    hash = (hash ^ c) * 1099511628211ull;
-  }
-  const auto signature = static_cast<int64_t>(hash >> 1);
+  Signature hash;
+  hash.mix(description);
+  const int64_t signature = hash.value();
   checked_.emplace(signature, description);
-  std::vector<at::Tensor> tensors{
-      at::tensor({signature, -signature}, at::kLong).to(tensor.device())};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MAX;
+  int64_t largest = 0;
+  int64_t smallest = 0;
   try {
-    track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, 16,
-          "order_check")
-        .wait();
+    std::tie(largest, smallest) = extremes(signature, tensor.device(), "order_check");
   } catch (const c10::DistBackendError& e) {
     // Already names the lost ranks; say what this rank was about to do.
     C10_THROW_ERROR(DistBackendError,
@@ -242,9 +236,6 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
                         "; if no rank was lost, did the ranks run different modules or a "
                         "different number of steps?)");
   }
-  const at::Tensor extremes = tensors[0].cpu();
-  const int64_t largest = extremes[0].item<int64_t>();
-  const int64_t smallest = -extremes[1].item<int64_t>();
   if (largest == signature && smallest == signature) {
     return;
   }
@@ -275,6 +266,17 @@ void Communicator::all_reduce_sum(at::Tensor& tensor, const std::string& tag) {
 
 void Communicator::all_reduce_max(at::Tensor& tensor, const std::string& tag) {
   all_reduce(tensor, c10d::ReduceOp::MAX, tag);
+}
+
+std::pair<int64_t, int64_t> Communicator::extremes(int64_t value, c10::Device device,
+                                                   const std::string& tag) {
+  std::vector<at::Tensor> tensors{at::tensor({value, -value}, at::kLong).to(device)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, 16, tag).wait();
+  const at::Tensor both = tensors[0].cpu();
+  const auto* e = both.data_ptr<int64_t>();
+  return {e[0], -e[1]};
 }
 
 PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tensor& input,

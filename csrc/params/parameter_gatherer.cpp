@@ -285,9 +285,9 @@ Agreement ParameterGatherer::run_agreement(AgreementRequest request) {
     }
     if (mine.count(unit) == 0) {
       // Gathered only because another rank demanded it: released before the
-      // next, so that other ranks' demands never hold more than one unit
-      // beyond stage3_max_live_parameters here. Every rank still issues one
-      // all-gather per agreed bucket, in the same order.
+      // next is gathered, so other ranks' demands hold one unit at a time
+      // here. Every rank still issues one all-gather per agreed bucket, in
+      // the same order.
       for (const auto& [g, b] : unit_buckets_.at(unit)) {
         state(g, b).pending.wait();
         maybe_release(g, b);

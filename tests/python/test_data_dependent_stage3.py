@@ -18,11 +18,14 @@ single-process than DDP (find_unused_parameters=True) on the same ranks.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zeroshard
@@ -140,9 +143,38 @@ def reference(name: str) -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
+def _train_steps(
+    name: str,
+    rank: int,
+    world: int,
+    model: RoutedExperts,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> list[list[int]]:
+    """The training loop both zeroshard and DDP run; returns the experts each
+    step's first micro-batch ran on this rank. Between forward and backward
+    it all-reduces the loss for logging, a collective of the user's own that
+    must not meet a rank still gathering (the end of forward is a barrier)."""
+    accumulation = CONFIGS[name][2]
+    experts_per_step = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(accumulation):
+            x, y = local_batch(step, micro, rank, world)
+            loss = nn.functional.mse_loss(forward(x), y) / accumulation
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
+            with no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                loss.backward()
+            if micro == 0:
+                experts_per_step.append(model.experts_run)
+        optimizer.step()
+    return experts_per_step
+
+
 def _train_zeroshard(rank: int, world: int, name: str) -> dict[str, Any]:
-    twice, branch, accumulation = CONFIGS[name]
-    model = make_model(twice, branch)
+    model = make_model(*CONFIGS[name][:2])
     optimizer = zeroshard.ZeroOptimizer(
         model.parameters(),
         "adamw",
@@ -151,19 +183,7 @@ def _train_zeroshard(rank: int, world: int, name: str) -> dict[str, Any]:
         stage3_param_persistence_threshold=0,
         lr=LR,
     )
-    experts_per_step = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for micro in range(accumulation):
-            x, y = local_batch(step, micro, rank, world)
-            if micro < accumulation - 1:
-                with optimizer.no_sync():
-                    (loss_of(model, x, y) / accumulation).backward()
-            else:
-                (loss_of(model, x, y) / accumulation).backward()
-            if micro == 0:
-                experts_per_step.append(model.experts_run)
-        optimizer.step()
+    experts_per_step = _train_steps(name, rank, world, model, model, optimizer, optimizer.no_sync)
     gathered_after = optimizer.gathered_parameter_bytes()
     with optimizer.gathered_parameters():
         params = snapshot(model)
@@ -177,20 +197,10 @@ def _train_zeroshard(rank: int, world: int, name: str) -> dict[str, Any]:
 
 
 def _train_ddp(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
-    twice, branch, accumulation = CONFIGS[name]
-    model = make_model(twice, branch)
+    model = make_model(*CONFIGS[name][:2])
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for micro in range(accumulation):
-            x, y = local_batch(step, micro, rank, world)
-            if micro < accumulation - 1:
-                with ddp.no_sync():
-                    (loss_of(ddp, x, y) / accumulation).backward()
-            else:
-                (loss_of(ddp, x, y) / accumulation).backward()
-        optimizer.step()
+    _train_steps(name, rank, world, model, ddp, optimizer, ddp.no_sync)
     return snapshot(model)
 
 

@@ -31,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace zeroshard {
@@ -107,6 +108,30 @@ class PendingCollective {
   at::Tensor output_;
 };
 
+// FNV-1a of what a rank is about to do, the signature ranks compare through
+// Communicator::extremes (the order check, stage 3's agreements). Kept
+// positive, so that the maximum of its negation gives the minimum.
+class Signature {
+ public:
+  void mix(int64_t value) {
+    auto bits = static_cast<uint64_t>(value);
+    for (int byte = 0; byte < 8; ++byte) {
+      mix_byte(bits & 0xffu);
+      bits >>= 8;
+    }
+  }
+  void mix(const std::string& text) {
+    for (unsigned char c : text) {
+      mix_byte(c);
+    }
+  }
+  int64_t value() const { return static_cast<int64_t>(hash_ >> 1); }
+
+ private:
+  void mix_byte(uint64_t byte) { hash_ = (hash_ ^ byte) * 1099511628211ull; }
+  uint64_t hash_ = 1469598103934665603ull;
+};
+
 class Communicator {
  public:
   explicit Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group);
@@ -124,6 +149,11 @@ class Communicator {
   void all_reduce_sum(at::Tensor& tensor, const std::string& tag);
   // Element-wise max across ranks in place (blocking).
   void all_reduce_max(at::Tensor& tensor, const std::string& tag);
+  // Collective, blocking: the largest and the smallest `value` over the
+  // ranks, from one MAX all-reduce of {value, -value} on `device`; how ranks
+  // compare a Signature (every rank has the same iff both equal its own).
+  // Never order-checked: it is the check.
+  std::pair<int64_t, int64_t> extremes(int64_t value, c10::Device device, const std::string& tag);
   // output[i] = sum over ranks of input[rank * output.numel() + i] on this
   // rank. input.numel() == output.numel() * world_size().
   PendingCollective reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
