@@ -1,5 +1,10 @@
 // The only C++ that knows Python: exposes the core to python/zeroshard.
+#include "zeroshard/communicator.h"
 #include "zeroshard/memory_estimator.h"
+#include "zeroshard/nvme_gradient_swapper.h"
+#include "zeroshard/nvme_parameter_swapper.h"
+#include "zeroshard/nvme_state_swapper.h"
+#include "zeroshard/partition_layout.h"
 #include "zeroshard/zero_optimizer.h"
 
 #include <torch/csrc/api/include/torch/optim/adam.h>

@@ -1,6 +1,7 @@
 // Stage 3 for Python models: forward hooks on torch.nn.Module that call the
 // C++ core's unit hooks. The Python layer picks the units (wrap policy); the
 // gather/release/prefetch logic is all in ParameterGatherer.
+#include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/zero_optimizer.h"
 
 #include <torch/csrc/autograd/python_variable.h>

@@ -1,4 +1,8 @@
 #include "zeroshard/engine.h"
+#include "zeroshard/communicator.h"
+#include "zeroshard/nvme_gradient_swapper.h"
+#include "zeroshard/nvme_parameter_swapper.h"
+#include "zeroshard/nvme_state_swapper.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>

@@ -1,5 +1,6 @@
 // Engine::save_checkpoint / load_checkpoint: the optimizer's checkpoint
 // (zero_optimizer_checkpoint.cpp) plus what the engine owns.
+#include "zeroshard/communicator.h"
 #include "zeroshard/engine.h"
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,6 +1,6 @@
 // Saving and restoring a ZeroOptimizer's per-rank shard. See
 // [Note: Checkpoint format] in docs/design.md.
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/tensor.h>
@@ -23,7 +23,7 @@ std::string group_key(size_t g, const char* name) {
 
 }  // namespace
 
-ShardState ZeroOptimizer::shard_state() const {
+ShardState ZeroOptimizer::Impl::shard_state() const {
   ShardState state;
   state.emplace_back("meta_format_version", scalar_tensor(kFormatVersion));
   state.emplace_back("meta_world_size", scalar_tensor(comm_->world_size()));
@@ -54,7 +54,7 @@ ShardState ZeroOptimizer::shard_state() const {
   return state;
 }
 
-void ZeroOptimizer::load_shard_state(const ShardState& state) {
+void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
   // Validate locally, then agree across ranks before touching anything, so a
   // bad file on one rank raises on every rank instead of leaving the others
   // waiting in a collective.
@@ -141,7 +141,7 @@ void ZeroOptimizer::load_shard_state(const ShardState& state) {
   gather_parameters();
 }
 
-void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
+void ZeroOptimizer::Impl::save(torch::serialize::OutputArchive& archive) const {
   for (const auto& [key, tensor] : shard_state()) {
     archive.write(key, tensor);
   }
@@ -152,7 +152,7 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   }
 }
 
-void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
+void ZeroOptimizer::Impl::load(torch::serialize::InputArchive& archive) {
   ShardState state;
   auto read = [&](const std::string& key) {
     at::Tensor tensor;

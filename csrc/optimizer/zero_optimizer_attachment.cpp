@@ -24,7 +24,7 @@
 #include <sstream>
 
 #include "zeroshard/parameter_gatherer.h"
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 namespace zeroshard {
 namespace {
@@ -39,7 +39,7 @@ bool same_device(const c10::Device& a, const c10::Device& b) {
 // The buffer parameter (g, i) must be a view of, and where in its storage.
 // (No view is made here: narrowing a released stage-3 buffer, whose storage
 // holds 0 bytes, would fail its bounds check.)
-std::pair<const at::Tensor*, int64_t> ZeroOptimizer::attached_place(size_t g, size_t i) const {
+std::pair<const at::Tensor*, int64_t> ZeroOptimizer::Impl::attached_place(size_t g, size_t i) const {
   const GroupLayout& layout = layout_->group(g);
   const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
   if (options_.stage() == 3) {
@@ -51,7 +51,7 @@ std::pair<const at::Tensor*, int64_t> ZeroOptimizer::attached_place(size_t g, si
   return {&flat, flat.storage_offset() + slot.flat_offset};
 }
 
-std::string ZeroOptimizer::reattach_parameters() {
+std::string ZeroOptimizer::Impl::reattach_parameters() {
   at::NoGradGuard no_grad;
   std::vector<std::string> problems;
   for (size_t g = 0; g < param_groups_.size(); ++g) {

@@ -5,7 +5,7 @@
 #include "../checkpoint/durable_file.h"
 #include "../checkpoint/element_runs.h"
 #include "zeroshard/safetensors.h"
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -69,7 +69,7 @@ at::Tensor host_staging(int64_t numel, c10::Device device) {
 
 }  // namespace
 
-void ZeroOptimizer::set_parameter_names(
+void ZeroOptimizer::Impl::set_parameter_names(
     const std::vector<std::pair<std::string, at::Tensor>>& named) {
   param_names_.assign(param_groups_.size(), {});
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -83,21 +83,21 @@ void ZeroOptimizer::set_parameter_names(
   }
 }
 
-std::string ZeroOptimizer::parameter_name(size_t group, size_t index) const {
+std::string ZeroOptimizer::Impl::parameter_name(size_t group, size_t index) const {
   if (group < param_names_.size() && !param_names_[group][index].empty()) {
     return param_names_[group][index].front();
   }
   return "group" + std::to_string(group) + "." + std::to_string(index);
 }
 
-std::vector<std::string> ZeroOptimizer::parameter_aliases(size_t group, size_t index) const {
+std::vector<std::string> ZeroOptimizer::Impl::parameter_aliases(size_t group, size_t index) const {
   if (group < param_names_.size() && param_names_[group][index].size() > 1) {
     return {param_names_[group][index].begin() + 1, param_names_[group][index].end()};
   }
   return {};
 }
 
-bool ZeroOptimizer::has_state(size_t g, OptimizerStateName name) const {
+bool ZeroOptimizer::Impl::has_state(size_t g, OptimizerStateName name) const {
   if (name == OptimizerStateName::kMaster) {
     return true;
   }
@@ -110,7 +110,7 @@ bool ZeroOptimizer::has_state(size_t g, OptimizerStateName name) const {
   return tensors[static_cast<size_t>(name)]->defined();
 }
 
-at::Tensor ZeroOptimizer::read_state(size_t g, OptimizerStateName name, int64_t offset,
+at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, int64_t offset,
                                      int64_t length) const {
   if (name == OptimizerStateName::kMaster) {
     return read_master(g, offset, length);
@@ -124,7 +124,7 @@ at::Tensor ZeroOptimizer::read_state(size_t g, OptimizerStateName name, int64_t 
   return tensors[static_cast<size_t>(name)]->narrow(0, offset, length);
 }
 
-json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& options) const {
+json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions& options) const {
   json index = {
       {"format", "zeroshard-checkpoint"},
       {"format_version", kCheckpointFormatVersion},
@@ -162,7 +162,7 @@ json ZeroOptimizer::checkpoint_index_skeleton(const CheckpointSaveOptions& optio
   return index;
 }
 
-void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
+void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
                                            const CheckpointSaveOptions& options) {
   // One save at a time: the previous asynchronous one first; its failure is
   // reported through the first agreement, so every rank raises together.
@@ -324,15 +324,15 @@ void ZeroOptimizer::save_checkpoint_shards(const std::string& path_in,
   pending_checkpoint_ = std::move(pending);
 }
 
-bool ZeroOptimizer::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
+bool ZeroOptimizer::Impl::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
 
-void ZeroOptimizer::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
+void ZeroOptimizer::Impl::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
                                          std::string prefix) {
   checkpoint_store_ = std::move(store);
   checkpoint_store_prefix_ = std::move(prefix);
 }
 
-std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::next_checkpoint_commit(
+std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::Impl::next_checkpoint_commit(
     const std::string& path) {
   const std::string count = std::to_string(saves_started_++);
   // Only where the shard group's store does not reach every rank: a plain
@@ -356,7 +356,7 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::next_chec
   return {comm_->store(), comm_->store_prefix() + "/checkpoint" + count};
 }
 
-std::string ZeroOptimizer::finish_pending_checkpoint() {
+std::string ZeroOptimizer::Impl::finish_pending_checkpoint() {
   if (!pending_checkpoint_) {
     return "";
   }
@@ -369,12 +369,12 @@ std::string ZeroOptimizer::finish_pending_checkpoint() {
          "; unless it was committed, the previous checkpoint and `latest` are unchanged";
 }
 
-void ZeroOptimizer::wait_for_checkpoint() {
+void ZeroOptimizer::Impl::wait_for_checkpoint() {
   const std::string error = finish_pending_checkpoint();
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
-void ZeroOptimizer::finish_checkpoint_quietly() noexcept {
+void ZeroOptimizer::Impl::finish_checkpoint_quietly() noexcept {
   try {
     wait_for_checkpoint();
   } catch (const std::exception& e) {

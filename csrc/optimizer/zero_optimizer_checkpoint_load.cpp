@@ -6,7 +6,7 @@
 #include "../checkpoint/element_runs.h"
 #include "zeroshard/crc32c.h"
 #include "zeroshard/safetensors.h"
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -95,7 +95,7 @@ std::string read_latest_tag(const std::string& dir) {
   return tag;
 }
 
-LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path_in,
+LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in,
                                                 const CheckpointLoadOptions& options) {
   check_groups_fixed();
   // An asynchronous save still being written: its failure is reported through

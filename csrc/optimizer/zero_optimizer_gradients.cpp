@@ -2,7 +2,7 @@
 // reduction finishes at step() or clip_grad_norm(), the gradient shard holds
 // the average; stage 1 reduces from .grad (or during backward, see
 // [Note: stage 1 overlap]).
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include "zeroshard/mapped_host_memory.h"
 
@@ -20,7 +20,7 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::clear_gradient_shards() {
+void ZeroOptimizer::Impl::clear_gradient_shards() {
   buckets_->wait_all();
   buckets_->reset();
   for (size_t g = 0; g < shards_.size(); ++g) {
@@ -42,7 +42,7 @@ void ZeroOptimizer::clear_gradient_shards() {
   stage1_copied_.clear();
 }
 
-void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
+void ZeroOptimizer::Impl::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
   if (!gradient_sync_) {
     unsynced_gradients_ = true;
     return;  // no_sync: the gradient stays in .grad
@@ -79,7 +79,7 @@ void ZeroOptimizer::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
 // any change to a .grad after its hook (an unscale, a clip of the local
 // gradients, a replaced tensor), caught by its version counter and agreed
 // across ranks in one small all-reduce at the step.
-void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& grad) {
+void ZeroOptimizer::Impl::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& grad) {
   if (stage1_stale_) {
     return;
   }
@@ -96,7 +96,7 @@ void ZeroOptimizer::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& gr
   gradients_reduced_ = false;
 }
 
-void ZeroOptimizer::ensure_stage1_grad_shards() {
+void ZeroOptimizer::Impl::ensure_stage1_grad_shards() {
   for (size_t g = 0; g < shards_.size(); ++g) {
     if (!shards_[g].grad_shard.defined()) {
       shards_[g].grad_shard = new_stage1_grad_shard(g);
@@ -114,7 +114,7 @@ void ZeroOptimizer::ensure_stage1_grad_shards() {
 // between steps), but the mapping is kept for the next step, counted by cached_buffer_bytes()
 // and given back by release_cached_buffers(), as CUDA's caching allocator
 // keeps the same shard on a GPU until torch.cuda.empty_cache().
-at::Tensor ZeroOptimizer::new_stage1_grad_shard(size_t g) {
+at::Tensor ZeroOptimizer::Impl::new_stage1_grad_shard(size_t g) {
   at::Tensor shard =
       stage1_grad_shard_pool_.empty(layout_->group(g).shard_numel(), grad_shard_options(g));
   // Zeros only where a round adds into it ([Note: the first round writes
@@ -122,7 +122,7 @@ at::Tensor ZeroOptimizer::new_stage1_grad_shard(size_t g) {
   return buckets_->first_round_writes_shard(g) ? shard : shard.zero_();
 }
 
-bool ZeroOptimizer::stage1_copies_current() {
+bool ZeroOptimizer::Impl::stage1_copies_current() {
   bool current = !stage1_stale_;
   if (current) {
     size_t with_grad = 0;
@@ -144,14 +144,14 @@ bool ZeroOptimizer::stage1_copies_current() {
   return stale.cpu().item<int32_t>() == 0;
 }
 
-at::Tensor ZeroOptimizer::take_leftover_grad(size_t g, int64_t i) {
+at::Tensor ZeroOptimizer::Impl::take_leftover_grad(size_t g, int64_t i) {
   at::Tensor& grad = param_groups_[g].params()[i].mutable_grad();
   at::Tensor taken = grad;
   grad.reset();
   return taken;
 }
 
-void ZeroOptimizer::on_backward_end(bool outermost) {
+void ZeroOptimizer::Impl::on_backward_end(bool outermost) {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   bool join_round = false;
@@ -184,7 +184,7 @@ void ZeroOptimizer::on_backward_end(bool outermost) {
   }
 }
 
-void ZeroOptimizer::finish_gradient_reduction() {
+void ZeroOptimizer::Impl::finish_gradient_reduction() {
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   if (gradients_reduced_) {
     return;
@@ -259,7 +259,7 @@ void ZeroOptimizer::finish_gradient_reduction() {
   gradients_reduced_ = true;
 }
 
-void ZeroOptimizer::for_each_gradient_chunk(
+void ZeroOptimizer::Impl::for_each_gradient_chunk(
     size_t g, int64_t offset, int64_t length,
     const std::function<void(const at::Tensor&)>& fn) const {
   NvmeGradientSwapper* swapped = swapped_gradients(g);
@@ -276,7 +276,7 @@ void ZeroOptimizer::for_each_gradient_chunk(
   }
 }
 
-void ZeroOptimizer::raise_gradient_swap_failure(const std::string& what) {
+void ZeroOptimizer::Impl::raise_gradient_swap_failure(const std::string& what) {
   const NvmeGradientSwapper* swapper = gradient_swapper();
   if (swapper == nullptr) {
     return;
@@ -288,7 +288,7 @@ void ZeroOptimizer::raise_gradient_swap_failure(const std::string& what) {
               agreed);
 }
 
-at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
+at::Tensor ZeroOptimizer::Impl::clip_grad_norm(double max_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, "max_norm must be > 0, got ", max_norm);
   at::Tensor total_norm = gradient_norm();
   // As torch.nn.utils.clip_grad_norm_ (Python's scalar / tensor is
@@ -297,7 +297,7 @@ at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
   return total_norm;
 }
 
-at::Tensor ZeroOptimizer::gradient_norm() {
+at::Tensor ZeroOptimizer::Impl::gradient_norm() {
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
   // [pieces of tensor-parallel splits, everything else]: see set_tensor_parallel.
@@ -326,7 +326,7 @@ at::Tensor ZeroOptimizer::gradient_norm() {
   return total_norm;
 }
 
-void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
+void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
   if (offloaded_) {
@@ -339,7 +339,7 @@ void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
   }
 }
 
-std::vector<Communicator*> ZeroOptimizer::communicators() const {
+std::vector<Communicator*> ZeroOptimizer::Impl::communicators() const {
   std::vector<Communicator*> all;
   for (Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
     if (comm) {
@@ -349,7 +349,7 @@ std::vector<Communicator*> ZeroOptimizer::communicators() const {
   return all;
 }
 
-int64_t ZeroOptimizer::cached_buffer_bytes() const {
+int64_t ZeroOptimizer::Impl::cached_buffer_bytes() const {
   int64_t bytes = buckets_->cached_bytes() + stage1_grad_shard_pool_.cached_bytes();
   for (const Communicator* comm : communicators()) {
     bytes += comm->cached_bytes();
@@ -357,7 +357,7 @@ int64_t ZeroOptimizer::cached_buffer_bytes() const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::release_cached_buffers() {
+int64_t ZeroOptimizer::Impl::release_cached_buffers() {
   // What each pool unmapped, counted as it is unmapped: a buffer freed
   // between a count and the release would otherwise go uncounted.
   int64_t bytes = buckets_->release_cached_buffers() + stage1_grad_shard_pool_.clear();
@@ -367,7 +367,7 @@ int64_t ZeroOptimizer::release_cached_buffers() {
   return bytes;
 }
 
-int64_t ZeroOptimizer::gradient_shard_bytes(bool on_host) const {
+int64_t ZeroOptimizer::Impl::gradient_shard_bytes(bool on_host) const {
   int64_t bytes = 0;
   for (size_t g = 0; g < shards_.size(); ++g) {
     const at::Tensor& shard = shards_[g].grad_shard;
@@ -378,7 +378,7 @@ int64_t ZeroOptimizer::gradient_shard_bytes(bool on_host) const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::gradient_bytes() const {
+int64_t ZeroOptimizer::Impl::gradient_bytes() const {
   int64_t bytes = buckets_->live_staging_bytes() + gradient_shard_bytes(/*on_host=*/false);
   for (const auto& group : param_groups_) {
     for (const auto& param : group.params()) {
@@ -390,18 +390,18 @@ int64_t ZeroOptimizer::gradient_bytes() const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::host_gradient_bytes() const {
+int64_t ZeroOptimizer::Impl::host_gradient_bytes() const {
   const NvmeGradientSwapper* swapper = gradient_swapper();
   return gradient_shard_bytes(/*on_host=*/true) + (swapper ? swapper->buffer_bytes() : 0);
 }
 
-void ZeroOptimizer::set_loss_scale(double scale) {
+void ZeroOptimizer::Impl::set_loss_scale(double scale) {
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "loss scale must be finite and > 0, got ",
                     scale);
   loss_scale_ = scale;
 }
 
-std::vector<std::vector<bool>> ZeroOptimizer::global_grad_presence(bool* overflow, bool detached,
+std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* overflow, bool detached,
                                                                    bool* any_detached) {
   int64_t total = 0;
   for (const auto& group : param_groups_) {

@@ -2,7 +2,7 @@
 // written, at every stage and placement. The placement decision is
 // state_placement.h's, the offloaded state and step are
 // offloaded_optimizer_state.h's; here they meet the shards and parameters.
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include "zeroshard/shard_chunk.h"
 
@@ -20,11 +20,11 @@ namespace zeroshard {
 // parameter buffer: the inner optimizer updates them in place and the
 // all-gather sends them on. Adam's per-rank state is then 8 bytes per owned
 // element instead of 12, the ZeRO paper's fp32 figure.
-at::TensorOptions ZeroOptimizer::fp32_options() const {
+at::TensorOptions ZeroOptimizer::Impl::fp32_options() const {
   return shards_[0].param_options.dtype(at::kFloat);
 }
 
-at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
+at::Tensor ZeroOptimizer::Impl::master_slice(size_t g, const Bucket& bucket) {
   TORCH_INTERNAL_ASSERT(!offloaded_, "master_slice: offloaded masters have no device view");
   GroupShards& shard = shards_[g];
   if (shard.master.defined()) {
@@ -37,7 +37,7 @@ at::Tensor ZeroOptimizer::master_slice(size_t g, const Bucket& bucket) {
                                  bucket.shard_numel);
 }
 
-at::Tensor ZeroOptimizer::master_shard(size_t g) const {
+at::Tensor ZeroOptimizer::Impl::master_shard(size_t g) const {
   const GroupShards& shard = shards_[g];
   if (offloaded_ && offloaded_->has(g, OptimizerStateName::kMaster)) {
     return offloaded_->read(g, OptimizerStateName::kMaster, 0, layout_->group(g).shard_numel(),
@@ -59,11 +59,11 @@ at::Tensor ZeroOptimizer::master_shard(size_t g) const {
   return out;
 }
 
-void ZeroOptimizer::set_master_shard(size_t g, const at::Tensor& values) {
+void ZeroOptimizer::Impl::set_master_shard(size_t g, const at::Tensor& values) {
   write_master(g, 0, values);
 }
 
-at::Tensor ZeroOptimizer::read_master(size_t g, int64_t offset, int64_t length) const {
+at::Tensor ZeroOptimizer::Impl::read_master(size_t g, int64_t offset, int64_t length) const {
   if (offloaded_) {
     return offloaded_->read(g, OptimizerStateName::kMaster, offset, length, fp32_options());
   }
@@ -89,7 +89,7 @@ at::Tensor ZeroOptimizer::read_master(size_t g, int64_t offset, int64_t length) 
   return master_shard(g).narrow(0, offset, length);
 }
 
-void ZeroOptimizer::write_master(size_t g, int64_t offset, const at::Tensor& values) {
+void ZeroOptimizer::Impl::write_master(size_t g, int64_t offset, const at::Tensor& values) {
   if (offloaded_) {
     offloaded_->write(g, OptimizerStateName::kMaster, offset, values.to(at::kFloat));
     return;
@@ -105,7 +105,7 @@ void ZeroOptimizer::write_master(size_t g, int64_t offset, const at::Tensor& val
   }
 }
 
-void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::Tensor& values,
+void ZeroOptimizer::Impl::write_parameter_values(size_t g, int64_t offset, const at::Tensor& values,
                                            bool async) {
   if (param_swapper_) {  // stage 3, the shards on NVMe
     param_swapper_->write(g, offset, values);
@@ -129,7 +129,7 @@ void ZeroOptimizer::write_parameter_values(size_t g, int64_t offset, const at::T
   }
 }
 
-void ZeroOptimizer::refresh_parameters_from_master() {
+void ZeroOptimizer::Impl::refresh_parameters_from_master() {
   // A chunk at a time: with NVMe offload a whole fp32 master shard is what
   // host memory is not meant to hold.
   for (size_t g = 0; g < shards_.size(); ++g) {
@@ -143,7 +143,7 @@ void ZeroOptimizer::refresh_parameters_from_master() {
   }
 }
 
-int64_t ZeroOptimizer::device_model_state_bytes() const {
+int64_t ZeroOptimizer::Impl::device_model_state_bytes() const {
   int64_t bytes = gathered_parameter_bytes() + gradient_bytes();
   for (const auto& shard : shards_) {
     if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kDevice) {
@@ -153,7 +153,7 @@ int64_t ZeroOptimizer::device_model_state_bytes() const {
   return bytes + (offloaded_ ? offloaded_->bytes(StateTier::kDevice) : optimizer_state_bytes());
 }
 
-int64_t ZeroOptimizer::host_model_state_bytes() const {
+int64_t ZeroOptimizer::Impl::host_model_state_bytes() const {
   int64_t bytes = offloaded_ ? offloaded_->bytes(StateTier::kHost) : 0;
   if (param_swapper_) {
     bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();

@@ -4,7 +4,7 @@
 // 0's), the reduced gradient shards (summed, once per step, Ψ/N elements per
 // rank), and the step's agreements (presence flags, errors), so the replicas
 // take identical steps. Parameter all-gathers never leave the shard group.
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include "zeroshard/error_agreement.h"
 #include "zeroshard/shard_chunk.h"
@@ -20,11 +20,11 @@
 
 namespace zeroshard {
 
-int64_t ZeroOptimizer::data_parallel_world_size() const {
+int64_t ZeroOptimizer::Impl::data_parallel_world_size() const {
   return comm_->world_size() * (replica_comm_ ? replica_comm_->world_size() : 1);
 }
 
-void ZeroOptimizer::raise_if_any_rank_failed(const std::string& local_error,
+void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_error,
                                              const std::string& what) {
   if (!replica_comm_) {
     comm_->raise_if_any_rank_failed(local_error, what, device_);
@@ -41,7 +41,7 @@ void ZeroOptimizer::raise_if_any_rank_failed(const std::string& local_error,
   replica_comm_->raise_if_any_rank_failed(error, what, device_);
 }
 
-std::string ZeroOptimizer::agreed_error(const std::string& local_error, const std::string& tag) {
+std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error, const std::string& tag) {
   // One node's failure stops every replica; an expert-parallel peer of a
   // failed rank would otherwise wait for it in the next collective until the
   // timeout.
@@ -51,19 +51,19 @@ std::string ZeroOptimizer::agreed_error(const std::string& local_error, const st
                         local_error, device_, tag);
 }
 
-void ZeroOptimizer::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
+void ZeroOptimizer::Impl::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
   if (replica_comm_) {
     replica_comm_->broadcast(tensor, /*root=*/0, "replicas/" + tag);
   }
 }
 
-void ZeroOptimizer::max_across_replicas(at::Tensor& tensor, const std::string& tag) {
+void ZeroOptimizer::Impl::max_across_replicas(at::Tensor& tensor, const std::string& tag) {
   if (replica_comm_) {
     replica_comm_->all_reduce_max(tensor, "replicas/" + tag);
   }
 }
 
-void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
+void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
   if (!replica_comm_) {
     return;
   }
@@ -103,7 +103,7 @@ void ZeroOptimizer::reduce_gradient_shards_across_replicas() {
   }
 }
 
-void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
+void ZeroOptimizer::Impl::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
   check_groups_fixed();
   if (!replica_comm_) {
     save_checkpoint_shards(path, options);

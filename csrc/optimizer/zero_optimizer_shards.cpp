@@ -3,7 +3,7 @@
 // by bucket (or into the parameter swap file), the fp32 master and the
 // optimizer state shards; the initial values are broadcast from
 // broadcast_from_rank (and, with hybrid sharding, from the first replica).
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -12,7 +12,7 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::build_group_shards() {
+void ZeroOptimizer::Impl::build_group_shards() {
   const int64_t rank = comm_->rank();
   at::NoGradGuard no_grad;
   replacements_.assign(param_groups_.size(), {});
@@ -67,7 +67,7 @@ void ZeroOptimizer::build_group_shards() {
 // parameters, or zeros for meta parameters), this rank keeps its slice in
 // param_shard, the parameters become views of the buffer, and the buffer's
 // storage is freed unless the bucket is persistent.
-void ZeroOptimizer::build_stage3_shards(size_t g) {
+void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
   const int64_t rank = comm_->rank();
   const GroupLayout& layout = layout_->group(g);
   auto& params = param_groups_[g].params();
@@ -150,7 +150,7 @@ void ZeroOptimizer::build_stage3_shards(size_t g) {
   }
 }
 
-void ZeroOptimizer::ensure_state_tensors(size_t g) {
+void ZeroOptimizer::Impl::ensure_state_tensors(size_t g) {
   if (offloaded_) {
     offloaded_->ensure_moments(g, optimizer_state_count(inner_kind_, param_groups_[g].options()));
     return;

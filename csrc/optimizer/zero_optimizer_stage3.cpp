@@ -1,6 +1,6 @@
 // ZeroOptimizer: stage 3 unit hooks, gathering on demand, partitioned
 // construction, full parameters, and the parameter byte counters.
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -44,7 +44,7 @@ void write_unless_failed(bool keep_error, std::string& error, const std::functio
 
 }  // namespace
 
-void ZeroOptimizer::raise_agreed_write_error(std::string error, const std::string& what) {
+void ZeroOptimizer::Impl::raise_agreed_write_error(std::string error, const std::string& what) {
   if (!swaps_to_nvme()) {
     return;
   }
@@ -60,7 +60,7 @@ void ZeroOptimizer::raise_agreed_write_error(std::string error, const std::strin
               agreed);
 }
 
-std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
+std::vector<std::vector<at::Tensor>> ZeroOptimizer::Impl::full_parameters(int64_t rank) {
   check_groups_fixed();
   TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
                     comm_->world_size(), "), got ", rank);
@@ -93,9 +93,9 @@ std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank
   return out;
 }
 
-int64_t ZeroOptimizer::num_units() const { return gatherer_ ? gatherer_->num_units() : 0; }
+int64_t ZeroOptimizer::Impl::num_units() const { return gatherer_ ? gatherer_->num_units() : 0; }
 
-int64_t ZeroOptimizer::unit_index(const std::string& name) const {
+int64_t ZeroOptimizer::Impl::unit_index(const std::string& name) const {
   for (int64_t u = 0; u < num_units(); ++u) {
     if (gatherer_->unit_name(u) == name) {
       return u;
@@ -104,7 +104,7 @@ int64_t ZeroOptimizer::unit_index(const std::string& name) const {
   TORCH_CHECK_INDEX(false, "no unit named '", name, "'");
 }
 
-void ZeroOptimizer::unit_pre_forward(int64_t unit) {
+void ZeroOptimizer::Impl::unit_pre_forward(int64_t unit) {
   TORCH_CHECK(gatherer_, "unit hooks need stage 3");
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
@@ -116,13 +116,13 @@ void ZeroOptimizer::unit_pre_forward(int64_t unit) {
   gatherer_->pre_forward(unit, in_backward);
 }
 
-void ZeroOptimizer::unit_post_forward(int64_t unit) {
+void ZeroOptimizer::Impl::unit_post_forward(int64_t unit) {
   TORCH_CHECK(gatherer_, "unit hooks need stage 3");
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   gatherer_->post_forward(unit, torch::autograd::get_current_graph_task_id() != -1);
 }
 
-void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
+void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& output) {
   TORCH_CHECK(gatherer_, "unit hooks need stage 3");
   if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) {
     return;
@@ -143,13 +143,13 @@ void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
   });
 }
 
-void ZeroOptimizer::model_forward_begin() {
+void ZeroOptimizer::Impl::model_forward_begin() {
   if (gatherer_ && torch::autograd::get_current_graph_task_id() == -1) {
     model_forward_depth_ += 1;
   }
 }
 
-void ZeroOptimizer::model_forward_end(bool raised) {
+void ZeroOptimizer::Impl::model_forward_end(bool raised) {
   if (!gatherer_ || torch::autograd::get_current_graph_task_id() != -1 ||
       model_forward_depth_ == 0) {
     return;
@@ -163,15 +163,15 @@ void ZeroOptimizer::model_forward_end(bool raised) {
   gatherer_->wait_for_all_ranks(AgreementBarrier::kForwardEnd);
 }
 
-int64_t ZeroOptimizer::agreements() const {
+int64_t ZeroOptimizer::Impl::agreements() const {
   return gatherer_ && gatherer_->agreement() ? gatherer_->agreement()->agreements() : 0;
 }
 
-int64_t ZeroOptimizer::diverged_agreements() const {
+int64_t ZeroOptimizer::Impl::diverged_agreements() const {
   return gatherer_ && gatherer_->agreement() ? gatherer_->agreement()->count_rounds() : 0;
 }
 
-void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
+void ZeroOptimizer::Impl::pin_parameters(const std::vector<at::Tensor>& params) {
   if (!gatherer_) {
     return;  // stages 1 and 2: always gathered
   }
@@ -180,7 +180,7 @@ void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
   gatherer_->pin(buckets_of(params));
 }
 
-void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
+void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
   TORCH_CHECK_VALUE(modifier_rank < comm_->world_size(), "modifier_rank must be < world size ",
                     comm_->world_size(), ", got ", modifier_rank);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
@@ -215,7 +215,7 @@ void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int6
   }
 }
 
-void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>& params) {
+void ZeroOptimizer::Impl::adopt_parameters(const std::vector<std::vector<at::Tensor>>& params) {
   TORCH_CHECK_VALUE(params.size() == param_groups_.size(), "adopt_parameters: expected ",
                     param_groups_.size(), " groups, got ", params.size());
   for (size_t g = 0; g < params.size(); ++g) {
@@ -248,14 +248,14 @@ void ZeroOptimizer::adopt_parameters(const std::vector<std::vector<at::Tensor>>&
   }
 }
 
-void ZeroOptimizer::begin_initialization(const std::vector<at::Tensor>& params) {
+void ZeroOptimizer::Impl::begin_initialization(const std::vector<at::Tensor>& params) {
   TORCH_CHECK(gatherer_, "begin_initialization is for stage 3 partitioned construction");
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   gatherer_->pin_for_initialization(buckets_of(params));
 }
 
-void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
+void ZeroOptimizer::Impl::end_initialization(const std::vector<at::Tensor>& params) {
   TORCH_CHECK(gatherer_, "end_initialization is for stage 3 partitioned construction");
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
@@ -283,7 +283,7 @@ void ZeroOptimizer::end_initialization(const std::vector<at::Tensor>& params) {
   raise_agreed_write_error(std::move(write_error), "the initialized parameters");
 }
 
-void ZeroOptimizer::finish_initialization(const std::string& local_error) {
+void ZeroOptimizer::Impl::finish_initialization(const std::string& local_error) {
   TORCH_CHECK(gatherer_, "finish_initialization is for stage 3 partitioned construction");
   const std::string agreed = agreed_error(local_error, "initialization");
   TORCH_CHECK_VALUE(agreed.empty(), "partitioned construction: initializing the parameters failed ",
@@ -292,7 +292,7 @@ void ZeroOptimizer::finish_initialization(const std::string& local_error) {
                     "again");
 }
 
-int64_t ZeroOptimizer::parameter_bytes() const {
+int64_t ZeroOptimizer::Impl::parameter_bytes() const {
   int64_t bytes = gathered_parameter_bytes();
   if (param_swapper_) {  // what stays in host memory; the rest is on disk
     bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
@@ -305,7 +305,7 @@ int64_t ZeroOptimizer::parameter_bytes() const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::gathered_parameter_bytes() const {
+int64_t ZeroOptimizer::Impl::gathered_parameter_bytes() const {
   if (gatherer_) {
     return gatherer_->live_bytes();
   }
@@ -316,11 +316,11 @@ int64_t ZeroOptimizer::gathered_parameter_bytes() const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::peak_gathered_parameter_bytes() const {
+int64_t ZeroOptimizer::Impl::peak_gathered_parameter_bytes() const {
   return gatherer_ ? gatherer_->peak_live_bytes() : gathered_parameter_bytes();
 }
 
-void ZeroOptimizer::reset_peak_gathered_parameter_bytes() {
+void ZeroOptimizer::Impl::reset_peak_gathered_parameter_bytes() {
   if (gatherer_) {
     gatherer_->reset_peak_live_bytes();
   }

@@ -5,7 +5,7 @@
 // a replicated one count once) and the step's skip decision (a non-finite
 // gradient in one piece must skip the step on every piece, or the copies
 // drift apart).
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include "../checkpoint/checkpoint_detail.h"
 
@@ -15,7 +15,7 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
+void ZeroOptimizer::Impl::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                         std::vector<std::vector<bool>> sharded,
                                         std::vector<std::vector<TensorParallelSplit>> splits) {
   TORCH_CHECK_VALUE(group, "set_tensor_parallel needs the tensor-parallel process group");
@@ -57,7 +57,7 @@ void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> g
   tensor_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
 }
 
-void ZeroOptimizer::gradient_arrived(size_t group, int64_t index) {
+void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
   TORCH_CHECK_INDEX(group < param_groups_.size() && index >= 0 &&
                         index < static_cast<int64_t>(param_groups_[group].params().size()),
                     "gradient_arrived: no parameter ", index, " in group ", group);
@@ -68,7 +68,7 @@ void ZeroOptimizer::gradient_arrived(size_t group, int64_t index) {
   on_gradient(group, index, param_groups_[group].params()[index]);
 }
 
-at::Tensor ZeroOptimizer::sum_squares_across_tensor_parallel(at::Tensor squares) {
+at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor squares) {
   if (tensor_parallel_comm_) {
     at::Tensor pieces = squares.narrow(0, 0, 1).clone();
     tensor_parallel_comm_->all_reduce_sum(pieces, "tensor_parallel/grad_norm");
@@ -77,7 +77,7 @@ at::Tensor ZeroOptimizer::sum_squares_across_tensor_parallel(at::Tensor squares)
   return squares.sum();
 }
 
-void ZeroOptimizer::max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag) {
+void ZeroOptimizer::Impl::max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag) {
   if (tensor_parallel_comm_) {
     tensor_parallel_comm_->all_reduce_max(tensor, "tensor_parallel/" + tag);
   }
@@ -87,7 +87,7 @@ void ZeroOptimizer::max_across_tensor_parallel(at::Tensor& tensor, const std::st
 // order, each piece written once (a copy by tensor-parallel rank 0), and the
 // files of every tensor-parallel rank go into one directory under one index.
 
-int64_t ZeroOptimizer::checkpoint_rank() const {
+int64_t ZeroOptimizer::Impl::checkpoint_rank() const {
   // Replica 0's ranks are the writers, numbered 0 .. writers - 1; the other
   // replicas' ranks follow (they name RNG files, never data files).
   const int64_t tp_rank = tensor_parallel_comm_ ? tensor_parallel_comm_->rank() : 0;
@@ -95,11 +95,11 @@ int64_t ZeroOptimizer::checkpoint_rank() const {
   return replica * checkpoint_writer_count() + tp_rank * comm_->world_size() + comm_->rank();
 }
 
-int64_t ZeroOptimizer::checkpoint_writer_count() const {
+int64_t ZeroOptimizer::Impl::checkpoint_writer_count() const {
   return comm_->world_size() * (tensor_parallel_comm_ ? tensor_parallel_comm_->world_size() : 1);
 }
 
-TensorParallelSplit ZeroOptimizer::tensor_parallel_split(size_t g, size_t i) const {
+TensorParallelSplit ZeroOptimizer::Impl::tensor_parallel_split(size_t g, size_t i) const {
   if (!tensor_parallel_splits_.empty()) {
     return tensor_parallel_splits_[g][i];
   }
@@ -110,12 +110,12 @@ TensorParallelSplit ZeroOptimizer::tensor_parallel_split(size_t g, size_t i) con
   return {-1, 0, param_groups_[g].params()[i].sizes().vec()};
 }
 
-bool ZeroOptimizer::writes_checkpoint_piece(size_t g, size_t i) const {
+bool ZeroOptimizer::Impl::writes_checkpoint_piece(size_t g, size_t i) const {
   return !tensor_parallel_comm_ || tensor_parallel_comm_->rank() == 0 ||
          (!tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i]);
 }
 
-std::vector<std::string> ZeroOptimizer::all_gather_checkpoint_strings(const std::string& mine,
+std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(const std::string& mine,
                                                                       const std::string& tag) {
   std::vector<std::string> shard_group = all_gather_strings(*comm_, mine, device(), tag);
   if (!tensor_parallel_comm_) {
@@ -132,7 +132,7 @@ std::vector<std::string> ZeroOptimizer::all_gather_checkpoint_strings(const std:
   return all;
 }
 
-void ZeroOptimizer::agree_on_checkpoint_errors(const std::string& local_error,
+void ZeroOptimizer::Impl::agree_on_checkpoint_errors(const std::string& local_error,
                                                const std::string& what) {
   if (!tensor_parallel_comm_) {
     checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());

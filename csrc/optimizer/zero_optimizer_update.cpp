@@ -2,7 +2,7 @@
 // owned segments that share a step count, through the ATen path of
 // inner_optimizer.h or, with offload, OffloadedOptimizerState (whose NVMe
 // failures every rank raises together).
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include "../checkpoint/checkpoint_detail.h"
 
@@ -15,7 +15,7 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::update_shards(const std::vector<std::vector<bool>>& has_grad) {
+void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& has_grad) {
   // The step's NVMe transfers: the optimizer state's, and the parameter
   // shards it writes with offload_param on NVMe.
   const bool nvme = swaps_to_nvme();

@@ -1,6 +1,6 @@
 // ZeroOptimizer: checks of options and parameters at construction, and the
 // cross-rank agreement on the partition layout.
-#include "zeroshard/zero_optimizer.h"
+#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -95,7 +95,7 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
       options.gradient_divide_factor());
 }
 
-void ZeroOptimizer::validate_parameters() const {
+void ZeroOptimizer::Impl::validate_parameters() const {
   TORCH_CHECK_VALUE(!param_groups_.empty(), "ZeroOptimizer got no parameter groups");
   std::unordered_map<const void*, std::pair<size_t, size_t>> seen;
   c10::optional<c10::Device> device;
@@ -158,7 +158,7 @@ void ZeroOptimizer::validate_parameters() const {
   }
 }
 
-void ZeroOptimizer::check_layout_agrees_across_ranks() {
+void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
   const int64_t fingerprint = layout_->fingerprint();
   at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
   extremes = extremes.to(device());

@@ -1,6 +1,8 @@
 // ZeroOptimizer on several ranks, as threads of one process meeting over a
 // HashStore with real Gloo process groups (as PyTorch's own c10d C++ tests
 // do), checked against LibTorch's torch::optim on the global batch.
+#include "zeroshard/communicator.h"
+#include "zeroshard/partition_layout.h"
 #include "zeroshard/zero_optimizer.h"
 
 #ifdef ZEROSHARD_WITH_GLOO

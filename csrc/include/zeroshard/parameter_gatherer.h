@@ -45,6 +45,7 @@
 
 #include "zeroshard/collective_agreement.h"
 #include "zeroshard/communicator.h"
+#include "zeroshard/parameter_unit.h"
 #include "zeroshard/partition_layout.h"
 
 #include <ATen/core/Tensor.h>
@@ -62,14 +63,6 @@ class GradientBuckets;
 
 // (group, bucket) of the partition layout.
 using BucketId = std::pair<size_t, size_t>;
-
-// The parameters of one unit, as the user defines it. A parameter may appear
-// in several units (tied weights): it is stored with the first unit that
-// lists it and gathered for every unit that uses it.
-struct ParameterUnit {
-  std::string name;
-  std::vector<at::Tensor> params;
-};
 
 class ParameterGatherer {
  public:

@@ -1,0 +1,410 @@
+// Construction: validation, the partition layout, the shards, the buckets,
+// the hooks and (stage 3) the gatherer; the bookkeeping of parameters.
+#include "zero_optimizer_impl.h"
+
+#include "../checkpoint/checkpoint_detail.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <unordered_map>
+
+namespace zeroshard {
+
+ZeroOptimizer::Impl::Impl(ZeroOptimizer& owner,
+                          const torch::optim::OptimizerOptions& inner_defaults, ZeroOptions options,
+                          c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                          c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
+                          std::vector<ParameterUnit> units)
+    : owner_(owner),
+      param_groups_(owner.param_groups_),
+      inner_kind_(inner_optimizer_kind_of(inner_defaults)),
+      options_(options) {
+  initialize(std::move(process_group), std::move(replicate_group), std::move(units));
+}
+
+ZeroOptimizer::Impl::~Impl() {
+  finish_checkpoint_quietly();  // exit waits for an asynchronous save
+  alive_.reset();               // output hooks still registered on live tensors see it expire
+  hooks_.reset();
+  if (buckets_) {
+    try {
+      buckets_->wait_all();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to report to in a destructor
+    }
+  }
+}
+
+void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                     c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
+                                     std::vector<ParameterUnit> units) {
+  TORCH_CHECK_VALUE(process_group, "ZeroOptimizer needs a process group; got a null one");
+  TORCH_CHECK_VALUE(!replicate_group || replicate_group.get() != process_group.get(),
+                    "replicate_group is the shard group itself; hybrid sharding needs the "
+                    "group of ranks holding the same shard in the other shard groups");
+  comm_ = make_communicator(std::move(process_group));
+  if (replicate_group && replicate_group->getSize() > 1) {
+    replica_comm_ = make_communicator(std::move(replicate_group));
+  }
+  const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
+                          ? at::Tensor()
+                          : param_groups_[0].params()[0];
+  device_ = !first.defined()  ? c10::Device(c10::kCPU)
+            : first.is_meta() ? options_.materialize_device()
+                              : first.device();
+  std::string error;
+  std::vector<std::vector<int64_t>> param_units;
+  std::vector<std::string> unit_names;
+  std::vector<std::vector<at::Tensor>> unit_params;
+  try {
+    validate_zero_options(options_, comm_->world_size());
+    for (auto& group : param_groups_) {
+      validate_inner_options(inner_kind_, group.options());
+    }
+    TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
+                      "fused=True is available for Adam and AdamW, not SGD");
+    TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
+                      "units are a stage 3 feature; this optimizer has stage ", options_.stage());
+    validate_parameters();
+    index_parameters();
+    if (options_.stage() == 3) {
+      param_units = assign_units(units, unit_names, unit_params);
+    }
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  // Usually every rank passes the same arguments and fails alike; if only some
+  // do, the others must not wait for them in the first collective.
+  raise_if_any_rank_failed(error, "construct its ZeroOptimizer");
+  if (replica_comm_) {
+    // Replicas must hold the same shard: the same position in shard groups
+    // of one size (a replicate group built from other ranks would sum
+    // gradient shards of different elements).
+    const int64_t rank = comm_->rank();
+    const int64_t size = comm_->world_size();
+    at::Tensor extremes = at::tensor({rank, -rank, size, -size}, at::kLong).to(device_);
+    replica_comm_->all_reduce_max(extremes, "replicas/position");
+    extremes = extremes.cpu();
+    const auto* e = extremes.data_ptr<int64_t>();
+    std::string mismatch;
+    if (e[0] != rank || -e[1] != rank || e[2] != size || -e[3] != size) {
+      mismatch =
+          "replicate_group must hold one rank per shard group, each at the same "
+          "position in shard groups of one size; this rank is rank " +
+          std::to_string(rank) + " of a shard group of " + std::to_string(size) +
+          ", its replicate group spans shard ranks " + std::to_string(-e[1]) + ".." +
+          std::to_string(e[0]) + " and shard group sizes " + std::to_string(-e[3]) + ".." +
+          std::to_string(e[2]);
+    }
+    raise_if_any_rank_failed(mismatch, "check its replicate group");
+  }
+
+  std::vector<std::vector<int64_t>> numels;
+  for (const auto& group : param_groups_) {
+    std::vector<int64_t> group_numels;
+    for (const auto& param : group.params()) {
+      group_numels.push_back(param.numel());
+    }
+    numels.push_back(std::move(group_numels));
+  }
+  layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
+                                              options_.reduce_bucket_size(), param_units);
+  check_layout_agrees_across_ranks();
+  std::vector<int64_t> shard_numels;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    shard_numels.push_back(layout_->group(g).shard_numel());
+  }
+  placement_ = std::make_unique<StatePlacement>(shard_numels, options_.sub_group_size(),
+                                                options_.offload_optimizer(),
+                                                options_.offload_param(), device_);
+  std::vector<at::TensorOptions> param_options;
+  for (const auto& group : param_groups_) {
+    param_options.push_back(group.params()[0].options().device(device_).requires_grad(false));
+  }
+  if (options_.stage() == 3) {
+    comm_->set_order_check_enabled(options_.check_collective_order());
+    std::vector<std::vector<BucketId>> unit_buckets;
+    for (const auto& params : unit_params) {
+      // A unit whose parameters are all persistent gathers nothing (an empty
+      // list means "every parameter" to buckets_of).
+      unit_buckets.push_back(params.empty() ? std::vector<BucketId>{} : buckets_of(params));
+    }
+    gatherer_ = std::make_unique<ParameterGatherer>(
+        *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),
+        [this](size_t g, size_t b) {
+          if (param_swapper_) {
+            // An NVMe bucket's buffer is the collective's own (freed with it);
+            // a bucket kept in host memory is copied, as with 'cpu'.
+            return param_swapper_->read(g, b).to(device_, /*non_blocking=*/false,
+                                                 /*copy=*/!param_swapper_->on_nvme(g, b));
+          }
+          const Bucket& bucket = layout_->group(g).buckets()[b];
+          at::Tensor shard =
+              shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+          if (placement_->parameter_tier() == StateTier::kDevice) {
+            return shard;
+          }
+          // offload_param: the shard goes to the device first, when the gather
+          // (or its prefetch) is issued; the collective holds the copy.
+          return shard.to(device_, placement_->asynchronous_copies(StateTier::kHost, true),
+                          /*copy=*/true);
+        },
+        options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
+  }
+  shards_.resize(param_groups_.size());
+  parameter_gathers_launched_.assign(param_groups_.size(), 0);
+  std::vector<at::TensorOptions> grad_options;
+  for (size_t g = 0; g < shards_.size(); ++g) {
+    shards_[g].param_options = param_options[g];
+    shards_[g].grad_options =
+        options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
+    grad_options.push_back(shards_[g].grad_options);
+  }
+  if (placement_->offloads_optimizer()) {
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& options : param_options) {
+      dtypes.push_back(c10::typeMetaToScalarType(options.dtype()));
+    }
+    int64_t nvme_states = 0;  // the master plus the most moments a group needs
+    for (const auto& group : param_groups_) {
+      nvme_states = std::max(nvme_states, 1 + optimizer_state_count(inner_kind_, group.options()));
+    }
+    // A rank that cannot reserve its swap space (path, permissions, free
+    // space) fails here; every rank raises its message instead of hanging.
+    std::string error;
+    std::exception_ptr failure;
+    try {
+      offloaded_ = std::make_unique<OffloadedOptimizerState>(
+          *placement_, inner_kind_, dtypes, comm_->rank(), options_.aio(), nvme_states);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+      failure = std::current_exception();
+    } catch (const std::exception& e) {
+      error = e.what();
+      failure = std::current_exception();
+    }
+    if (placement_->offload_tier() == StateTier::kNVMe) {
+      const std::string agreed = agreed_error(error, "nvme_setup");
+      TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space: ", agreed);
+    } else if (failure) {
+      std::rethrow_exception(failure);
+    }
+  }
+  if (placement_->parameter_tier() == StateTier::kNVMe) {
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& options : param_options) {
+      dtypes.push_back(c10::typeMetaToScalarType(options.dtype()));
+    }
+    std::string error;
+    try {
+      param_swapper_ = std::make_unique<NvmeParameterSwapper>(
+          *layout_, std::move(dtypes), options_.offload_param(), options_.aio(), comm_->rank());
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const std::string agreed = agreed_error(error, "nvme_param_setup");
+    TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
+  }
+  build_group_shards();
+  GradientBuckets::BucketComplete on_complete;
+  if (gatherer_) {
+    on_complete = [this](size_t g, size_t b) { gatherer_->bucket_complete(g, b); };
+  }
+  buckets_ = std::make_unique<GradientBuckets>(
+      *layout_, *comm_, grad_options,
+      [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
+      static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
+      std::move(on_complete));
+  if (gatherer_ && options_.check_collective_order() && comm_->world_size() > 1) {
+    // See [Note: Negotiated collectives].
+    buckets_->set_launch_on_agreement(true);
+    gatherer_->negotiate(std::make_unique<CollectiveAgreement>(
+                             *comm_, device_, gatherer_->num_units(), buckets_->num_buckets()),
+                         buckets_.get());
+  }
+  if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
+    buckets_->set_gradient_sink(
+        [swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
+          if (!swapper->swaps(g)) {
+            return false;
+          }
+          swapper->accumulate(g, offset, reduced);
+          return true;
+        },
+        [swapper] { swapper->flush(); });
+  }
+  // See [Note: the first round writes the shard]: a shard read in place, on
+  // the buckets' device and in their dtype (not offloaded across devices,
+  // not widened, not swapped to NVMe).
+  std::vector<bool> first_round_writes(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const at::TensorOptions shard = grad_shard_options(g);
+    first_round_writes[g] = swapped_gradients(g) == nullptr &&
+                            shard.device() == grad_options[g].device() &&
+                            shard.dtype() == grad_options[g].dtype();
+  }
+  buckets_->set_first_round_writes_shard(std::move(first_round_writes));
+  set_bucket_expectations();
+  bool waiting_for_adoption = false;
+  for (const auto& group : replacements_) {
+    for (const auto& replacement : group) {
+      waiting_for_adoption = waiting_for_adoption || replacement.defined();
+    }
+  }
+  if (uses_gradient_hooks() && !waiting_for_adoption) {
+    install_gradient_hooks();
+  }
+}
+
+// Frozen parameters (requires_grad false) never deliver a gradient; buckets
+// must not wait for them, or every later bucket would wait for the end of
+// backward (and, at stage 3, stay gathered).
+void ZeroOptimizer::Impl::set_bucket_expectations() {
+  std::vector<std::vector<bool>> expects(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const auto& param : param_groups_[g].params()) {
+      expects[g].push_back(param.requires_grad());
+    }
+  }
+  buckets_->set_expects_gradient(std::move(expects));
+}
+
+void ZeroOptimizer::Impl::install_gradient_hooks() {
+  std::vector<std::vector<at::Tensor>> params;
+  for (const auto& group : param_groups_) {
+    params.push_back(group.params());
+  }
+  hooks_ = std::make_unique<GradientHooks>(
+      params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
+      [this](bool outermost) { on_backward_end(outermost); });
+}
+
+std::vector<std::vector<int64_t>> ZeroOptimizer::Impl::assign_units(
+    const std::vector<ParameterUnit>& units, std::vector<std::string>& unit_names,
+    std::vector<std::vector<at::Tensor>>& unit_params) {
+  const auto& index_of = param_index_;
+  std::vector<std::vector<int64_t>> param_units(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    param_units[g].assign(param_groups_[g].params().size(), kNoUnit);
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    const ParameterUnit& unit = units[u];
+    TORCH_CHECK_VALUE(
+        std::find(unit_names.begin(), unit_names.end(), unit.name) == unit_names.end(),
+        "two units are named '", unit.name, "'; unit names must be unique");
+    std::vector<at::Tensor> kept;
+    for (size_t p = 0; p < unit.params.size(); ++p) {
+      const auto found = index_of.find(unit.params[p].unsafeGetTensorImpl());
+      TORCH_CHECK_VALUE(found != index_of.end(), "parameter ", p, " of unit '", unit.name,
+                        "' is not one of the optimizer's parameters; pass every parameter of "
+                        "the units to the optimizer");
+      const auto [g, i] = found->second;
+      const int64_t numel = param_groups_[g].params()[i].numel();
+      if (numel < options_.stage3_param_persistence_threshold()) {
+        continue;  // persistent: stays gathered, belongs to no unit
+      }
+      if (param_units[g][i] == kNoUnit) {
+        param_units[g][i] = static_cast<int64_t>(u);
+      }
+      kept.push_back(unit.params[p]);
+    }
+    unit_names.push_back(unit.name);
+    unit_params.push_back(std::move(kept));
+  }
+  return param_units;
+}
+
+void ZeroOptimizer::Impl::index_parameters() {
+  param_index_.clear();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      param_index_.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
+    }
+  }
+}
+
+std::vector<BucketId> ZeroOptimizer::Impl::buckets_of(const std::vector<at::Tensor>& params) const {
+  std::vector<BucketId> buckets;
+  auto add = [&](size_t g, size_t i) {
+    const ParamSlot& slot = layout_->group(g).slot_of_param(static_cast<int64_t>(i));
+    if (slot.numel == 0) {
+      return;
+    }
+    const BucketId id{g, static_cast<size_t>(slot.bucket_index)};
+    if (std::find(buckets.begin(), buckets.end(), id) == buckets.end()) {
+      buckets.push_back(id);
+    }
+  };
+  if (params.empty()) {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+        add(g, i);
+      }
+    }
+    return buckets;
+  }
+  const auto& index_of = param_index_;
+  for (size_t p = 0; p < params.size(); ++p) {
+    const auto found = index_of.find(params[p].unsafeGetTensorImpl());
+    TORCH_CHECK_VALUE(found != index_of.end(), "tensor ", p,
+                      " is not one of this optimizer's parameters");
+    add(found->second.first, found->second.second);
+  }
+  return buckets;
+}
+
+const at::Tensor& ZeroOptimizer::Impl::flat_parameters(size_t group) const {
+  TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ", shards_.size(),
+                    ")");
+  TORCH_CHECK(options_.stage() < 3,
+              "flat_parameters() is a stage 1/2 view; at stage 3 parameters are gathered per "
+              "unit (use full_parameters() or pin_parameters())");
+  return shards_[group].flat_param;
+}
+
+int64_t ZeroOptimizer::Impl::optimizer_state_bytes() const {
+  int64_t bytes = 0;
+  if (offloaded_) {
+    bytes += offloaded_->bytes(StateTier::kDevice) + offloaded_->bytes(StateTier::kHost);
+  }
+  for (const auto& shard : shards_) {
+    for (const at::Tensor* t : {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
+                                &shard.max_exp_avg_sq, &shard.momentum_buffer}) {
+      if (t->defined()) {
+        bytes += t->numel() * static_cast<int64_t>(t->element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+void ZeroOptimizer::Impl::check_groups_fixed() const {
+  // torch::optim::Optimizer::add_param_group is not virtual: a group added
+  // after construction has no place in the partition layout.
+  TORCH_CHECK(param_groups_.size() == layout_->groups().size(), "ZeroOptimizer has ",
+              param_groups_.size(), " parameter groups but was built with ",
+              layout_->groups().size(),
+              ": groups cannot be added after construction (the partition layout is fixed); pass "
+              "every group to the constructor");
+}
+
+std::unique_ptr<Communicator> ZeroOptimizer::Impl::make_communicator(
+    c10::intrusive_ptr<c10d::ProcessGroup> group) const {
+  auto comm = std::make_unique<Communicator>(std::move(group));
+  comm->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
+  comm->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
+  return comm;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,390 @@
+// ZeroOptimizer's private state and the functions that work on it: the
+// class behind zero_optimizer.h's facade. Internal to csrc/optimizer/: the
+// public header exposes none of it, so a change here recompiles only this
+// folder. Each csrc/optimizer/zero_optimizer_*.cpp file implements one topic
+// of it (docs/design.md's file table says which).
+#pragma once
+
+#include "zeroshard/checkpoint.h"
+#include "zeroshard/communicator.h"
+#include "zeroshard/gradient_buckets.h"
+#include "zeroshard/gradient_hooks.h"
+#include "zeroshard/inner_optimizer.h"
+#include "zeroshard/mapped_host_memory.h"
+#include "zeroshard/nvme_parameter_swapper.h"
+#include "zeroshard/offloaded_optimizer_state.h"
+#include "zeroshard/optimizer_states.h"
+#include "zeroshard/parameter_gatherer.h"
+#include "zeroshard/partition_layout.h"
+#include "zeroshard/state_placement.h"
+#include "zeroshard/tensor_parallel_split.h"
+#include "zeroshard/zero_optimizer.h"
+#include "zeroshard/zero_options.h"
+
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace zeroshard {
+
+class ZeroOptimizer::Impl {
+ public:
+  using LossClosure = torch::optim::Optimizer::LossClosure;
+
+  // Runs the whole construction (zero_optimizer_construction.cpp): a throw
+  // leaves nothing behind, as the facade's constructor does.
+  Impl(ZeroOptimizer& owner, const torch::optim::OptimizerOptions& inner_defaults,
+       ZeroOptions options, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+       c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, std::vector<ParameterUnit> units);
+  ~Impl();
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  // ---- What zero_optimizer.h declares and documents ----
+  at::Tensor step(LossClosure closure = nullptr);
+  void zero_grad(bool set_to_none = true);
+  at::Tensor clip_grad_norm(double max_norm);
+  at::Tensor gradient_norm();
+  void scale_gradients(const at::Tensor& coefficient);
+  void set_loss_scale(double scale);
+  double loss_scale() const { return loss_scale_; }
+  bool last_step_skipped() const { return last_step_skipped_; }
+  void skip_next_step() { skip_requested_ = true; }
+  int64_t skipped_steps() const { return skipped_steps_; }
+  void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
+  bool gradient_sync() const { return gradient_sync_; }
+  int64_t gradient_bytes() const;
+  int64_t host_gradient_bytes() const;
+  int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
+  void reset_peak_staging_bytes() { buckets_->reset_peak_staging_bytes(); }
+  int64_t cached_buffer_bytes() const;
+  int64_t release_cached_buffers();
+  InnerOptimizerKind inner_kind() const { return inner_kind_; }
+  const ZeroOptions& zero_options() const { return options_; }
+  const PartitionLayout& layout() const { return *layout_; }
+  Communicator& communicator() { return *comm_; }
+  Communicator* replica_communicator() { return replica_comm_.get(); }
+  int64_t data_parallel_world_size() const;
+  void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           std::vector<std::vector<bool>> sharded,
+                           std::vector<std::vector<TensorParallelSplit>> splits = {});
+  int64_t checkpoint_rank() const;
+  void gradient_arrived(size_t group, int64_t index);
+  const at::Tensor& flat_parameters(size_t group) const;
+  int64_t optimizer_state_bytes() const;
+  int64_t device_model_state_bytes() const;
+  int64_t host_model_state_bytes() const;
+  const StatePlacement& placement() const { return *placement_; }
+  const NvmeStateSwapper* nvme_swapper() const { return offloaded_ ? offloaded_->nvme() : nullptr; }
+  const NvmeGradientSwapper* gradient_swapper() const {
+    return offloaded_ ? offloaded_->gradient_swapper() : nullptr;
+  }
+  const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
+  ShardState shard_state() const;
+  void load_shard_state(const ShardState& state);
+  void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  std::string parameter_name(size_t group, size_t index) const;
+  std::vector<std::string> parameter_aliases(size_t group, size_t index) const;
+  void save_checkpoint(const std::string& path, const CheckpointSaveOptions& options = {});
+  LoadedCheckpoint load_checkpoint(const std::string& path,
+                                   const CheckpointLoadOptions& options = {});
+  void wait_for_checkpoint();
+  bool checkpoint_in_flight() const;
+  void set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store, std::string prefix);
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+  std::vector<std::vector<at::Tensor>> full_parameters(int64_t rank = 0);
+  int64_t num_units() const;
+  int64_t unit_index(const std::string& name) const;
+  void unit_pre_forward(int64_t unit);
+  void unit_post_forward(int64_t unit);
+  void unit_track_output(int64_t unit, const at::Tensor& output);
+  void model_forward_begin();
+  void model_forward_end(bool raised = false);
+  int64_t agreements() const;
+  int64_t diverged_agreements() const;
+  void pin_parameters(const std::vector<at::Tensor>& params);
+  void unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank = -1);
+  const std::vector<std::vector<at::Tensor>>& replacement_parameters() const {
+    return replacements_;
+  }
+  void adopt_parameters(const std::vector<std::vector<at::Tensor>>& params);
+  void begin_initialization(const std::vector<at::Tensor>& params);
+  void end_initialization(const std::vector<at::Tensor>& params);
+  void finish_initialization(const std::string& local_error);
+  int64_t parameter_bytes() const;
+  int64_t gathered_parameter_bytes() const;
+  int64_t peak_gathered_parameter_bytes() const;
+  void reset_peak_gathered_parameter_bytes();
+
+  // ---- The parts of a step, and the state they share ----
+  // Per group, this rank's shards and what it needs to use them.
+  struct GroupShards {
+    at::TensorOptions param_options;  // dtype and device of the parameters
+    at::TensorOptions grad_options;   // of buckets and the gradient shard (reduce_in_fp32)
+    at::Tensor flat_param;            // stages 1-2: 1D, layout.flat_numel(), parameter dtype
+    // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
+    // what the all-gathers send. For fp32 parameters it is also the master.
+    at::Tensor param_shard;
+    // 1D, shard_numel, grad_shard_options(g): grad_options, or in host
+    // memory (fp32 with 'cpu' offload) when the placement says so.
+    // Undefined where the gradient shard is swapped to NVMe
+    // (swapped_gradients(g)).
+    at::Tensor grad_shard;
+    // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
+    // master values are this rank's slices of flat_param itself. See
+    // [Note: fp32 master] in zero_optimizer_master.cpp.
+    at::Tensor master;
+    at::Tensor exp_avg;  // 1D, shard_numel, fp32 (Adam/AdamW)
+    at::Tensor exp_avg_sq;
+    at::Tensor max_exp_avg_sq;           // amsgrad only
+    at::Tensor momentum_buffer;          // SGD with momentum only
+    std::vector<int64_t> steps;          // per parameter: updates applied so far
+    std::vector<ShardSegment> segments;  // what this rank owns
+  };
+
+  void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                  c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
+                  std::vector<ParameterUnit> units);
+  // ---- Hybrid sharding (zero_optimizer_replicas.cpp); no-ops without it ----
+  // An error found on some ranks of either group raised on every rank.
+  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what);
+  // Every rank's error ("" for none) combined over the shard group, then
+  // across replicas, then across the tensor-/expert-parallel group: the same
+  // string on every rank.
+  std::string agreed_error(const std::string& local_error, const std::string& tag);
+  // The shard, replica and tensor-parallel communicators this optimizer has.
+  std::vector<Communicator*> communicators() const;
+  // A group added after construction (C++ add_param_group is not virtual)
+  // has no place in the partition layout: an error, before any collective.
+  void check_groups_fixed() const;
+  // Replica 0's values on every replica (after the shard group's broadcast).
+  void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag);
+  void max_across_replicas(at::Tensor& tensor, const std::string& tag);
+  // Sums the reduced gradient shards over the replicas.
+  void reduce_gradient_shards_across_replicas();
+  // ---- Tensor parallelism; no-ops without it ----
+  // squares: [sum over TP-sharded pieces, sum over the rest] of the reduced
+  // gradients' squares on this rank, summed over the data-parallel group;
+  // returns the global sum of squares.
+  at::Tensor sum_squares_across_tensor_parallel(at::Tensor squares);
+  void max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag);
+  // The shard group's save: what save_checkpoint runs on the first replica.
+  void save_checkpoint_shards(const std::string& path, const CheckpointSaveOptions& options);
+  std::vector<std::vector<int64_t>> assign_units(const std::vector<ParameterUnit>& units,
+                                                 std::vector<std::string>& unit_names,
+                                                 std::vector<std::vector<at::Tensor>>& unit_params);
+  void build_stage3_shards(size_t group);
+  void install_gradient_hooks();
+  void set_bucket_expectations();
+  // Fills param_index_ from param_groups_ (after validation and adoption).
+  void index_parameters();
+  std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
+  c10::Device device() const { return device_; }
+  void validate_parameters() const;
+  void check_layout_agrees_across_ranks();
+  void build_group_shards();
+  void ensure_state_tensors(size_t group);
+  // This rank's fp32 master values of one bucket (a view, updated in place).
+  at::Tensor master_slice(size_t group, const Bucket& bucket);
+  // The whole master shard as one contiguous tensor (a copy for fp32 params).
+  at::Tensor master_shard(size_t group) const;
+  void set_master_shard(size_t group, const at::Tensor& values);
+  // Master values of [offset, offset + length) of a group's shard, as an fp32
+  // copy on the device; and the write into them. Every stage and placement.
+  at::Tensor read_master(size_t group, int64_t offset, int64_t length) const;
+  void write_master(size_t group, int64_t offset, const at::Tensor& values);
+  // Optimizer state or parameter shards live in NVMe swap space.
+  bool swaps_to_nvme() const {
+    return (placement_->offload_tier() == StateTier::kNVMe && offloaded_) ||
+           param_swapper_ != nullptr;
+  }
+  // With NVMe: every rank raises a write error any rank kept (with what was
+  // being written); see [Note: writes outside the step]. Collective there.
+  void raise_agreed_write_error(std::string error, const std::string& what);
+  // Offload: writes updated parameter values (the parameters' dtype) into the
+  // copy the device uses: this rank's slices of flat_param (stages 1-2) or
+  // param_shard (stage 3).
+  void write_parameter_values(size_t group, int64_t offset, const at::Tensor& values, bool async);
+  // Offload: the parameters the device uses from the master values (after a
+  // load), before they are gathered.
+  void refresh_parameters_from_master();
+  at::TensorOptions fp32_options() const;
+  // Checkpoints: whether group `g` holds `name` now, and a range of it (fp32).
+  bool has_state(size_t g, OptimizerStateName name) const;
+  nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
+  // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
+  // where parameter (g, i) sits in its unsplit tensor; whether this rank
+  // writes it (a copy is written by tensor-parallel rank 0 only); how many
+  // ranks write; every writer's string in checkpoint_rank() order; an error
+  // agreed over the shard and tensor-parallel groups, raised on every rank.
+  TensorParallelSplit tensor_parallel_split(size_t g, size_t i) const;
+  bool writes_checkpoint_piece(size_t g, size_t i) const;
+  int64_t checkpoint_writer_count() const;
+  std::vector<std::string> all_gather_checkpoint_strings(const std::string& mine,
+                                                         const std::string& tag);
+  void agree_on_checkpoint_errors(const std::string& local_error, const std::string& what);
+  void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
+  // Joins an asynchronous save in flight; its error ("" if none).
+  std::string finish_pending_checkpoint();
+  // The store and key on which the ranks of the next asynchronous save of
+  // `path` agree (the same on every rank: each counts its saves); throws
+  // where no store reaches them all.
+  std::pair<c10::intrusive_ptr<c10d::Store>, std::string> next_checkpoint_commit(
+      const std::string& path);
+  at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
+  // One all-reduce: 1 where any rank had a gradient for the parameter; with
+  // skip_nonfinite_steps, *overflow says whether any rank's gradients hold
+  // inf/NaN; *any_detached whether any rank passed detached = true (the same
+  // collective).
+  std::vector<std::vector<bool>> global_grad_presence(bool* overflow, bool detached,
+                                                      bool* any_detached);
+  // [Note: parameters that left the optimizer's storage]
+  // (zero_optimizer_attachment.cpp): re-attaches parameters copied with their
+  // values unchanged (model.to("cpu:0")); returns what could not be (moved to
+  // another device or dtype, other values), "" when every parameter is
+  // attached. Local: the step agrees on it.
+  std::string reattach_parameters();
+  // The buffer whose storage parameter (g, i) must view, and the storage
+  // offset it must start at.
+  std::pair<const at::Tensor*, int64_t> attached_place(size_t g, size_t i) const;
+  // Brings every rank's gradient shard to the averaged gradient (idempotent
+  // until the next step): stage 1 reduces .grad now, stage 2 flushes what the
+  // hooks left.
+  void finish_gradient_reduction();
+  void clear_gradient_shards();
+  void on_gradient(size_t group, int64_t index, const at::Tensor& param);
+  void on_stage1_gradient(size_t group, int64_t index, const at::Tensor& grad);
+  // Collective: whether the gradients the stage 1 hooks copied are still what
+  // .grad holds on every rank (see [Note: stage 1 overlap]).
+  bool stage1_copies_current();
+  void ensure_stage1_grad_shards();
+  // A stage-1 gradient shard for group g, from stage1_grad_shard_pool_:
+  // zeroed unless its first round writes it.
+  at::Tensor new_stage1_grad_shard(size_t g);
+  bool uses_gradient_hooks() const {
+    return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm() &&
+                                     options_.stage1_reduce_in_backward());
+  }
+  void on_backward_end(bool outermost);
+  at::Tensor take_leftover_grad(size_t group, int64_t index);
+  void update_shards(const std::vector<std::vector<bool>>& has_grad);
+  // Stages 1-2: launches the all-gather of group g's buckets below `end`
+  // not yet launched this step (see [Note: gathers behind the update]).
+  void launch_parameter_gathers(size_t g, size_t end);
+  // Drops the gathers in flight without waiting; the next launch starts
+  // from every group's first bucket.
+  void forget_parameter_gathers();
+  void gather_parameters();
+  // A Communicator over `group` with this optimizer's Gloo choices, for every
+  // group it talks over (shard, replica, tensor-parallel).
+  std::unique_ptr<Communicator> make_communicator(
+      c10::intrusive_ptr<c10d::ProcessGroup> group) const;
+  // Where group g's gradient shard is allocated (StatePlacement decides).
+  at::TensorOptions grad_shard_options(size_t g) const {
+    return placement_->gradient_shard_options(g, shards_[g].grad_options);
+  }
+  // Bytes of the gradient shards held on the host (on_host) or the device.
+  int64_t gradient_shard_bytes(bool on_host) const;
+  // Group g's gradient shard's swap space (offload_optimizer.swap_gradients),
+  // or null where the shard is a tensor.
+  NvmeGradientSwapper* swapped_gradients(size_t g) const {
+    NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr;
+    return swapper != nullptr && swapper->swaps(g) ? swapper : nullptr;
+  }
+  // With gradients in the NVMe swap space: every rank raises an I/O failure
+  // any rank kept (see nvme_gradient_swapper.h), naming `what` it stops.
+  // Collective there; nothing otherwise.
+  void raise_gradient_swap_failure(const std::string& what);
+  // Calls fn on [offset, offset + length) of group g's gradient shard, at most
+  // kShardChunkElements elements at a time (views of the shard), or
+  // kGradientSwapBlockElements (fp32 copies read from its swap space).
+  void for_each_gradient_chunk(size_t g, int64_t offset, int64_t length,
+                               const std::function<void(const at::Tensor&)>& fn) const;
+
+  // The facade's (torch::optim::Optimizer's) parameter groups: the
+  // optimizer's parameters, as the base class and its users see them.
+  ZeroOptimizer& owner_;
+  std::vector<torch::optim::OptimizerParamGroup>& param_groups_;
+  InnerOptimizerKind inner_kind_;
+  ZeroOptions options_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> replica_comm_;  // hybrid sharding only
+  std::unique_ptr<Communicator> tensor_parallel_comm_;
+  std::vector<std::vector<bool>> tensor_parallel_sharded_;                // per group and parameter
+  std::vector<std::vector<TensorParallelSplit>> tensor_parallel_splits_;  // empty: not given
+  std::unique_ptr<PartitionLayout> layout_;
+  std::unique_ptr<StatePlacement> placement_;
+  // With offload_optimizer: the master and moments of every group (then
+  // GroupShards holds none of them).
+  std::unique_ptr<OffloadedOptimizerState> offloaded_;
+  // With offload_param on NVMe: the stage-3 parameter shards (then
+  // GroupShards::param_shard is undefined).
+  std::unique_ptr<NvmeParameterSwapper> param_swapper_;
+  // Stage 1's gradient shard lives for a step (or from backward to step()),
+  // and a fresh mapping each step faulted its pages in again and made the
+  // step time swing (see [Note: the stage-1 shard between steps]).
+  HostBufferPool stage1_grad_shard_pool_;
+  std::vector<GroupShards> shards_;
+  // Stages 1-2: this step's parameter all-gathers in flight (their input is
+  // this rank's slice of flat_param), and per group how many buckets have
+  // been launched.
+  std::vector<PendingCollective> parameter_gathers_;
+  std::vector<size_t> parameter_gathers_launched_;
+  // With offload the gradient shard holds the reduced sum and this factor
+  // (1 / (world size x loss scale), times the clipping coefficient) is
+  // applied inside the host kernel's one pass; 1 otherwise.
+  double grad_shard_scale_ = 1.0;
+  std::unique_ptr<GradientBuckets> buckets_;
+  std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
+  std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only
+  std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
+  // Parameter (by TensorImpl) -> (group, index): units and pins name tensors.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
+  // Per group and parameter: its names (see set_parameter_names); may be empty.
+  std::vector<std::vector<std::vector<std::string>>> param_names_;
+  struct PendingCheckpoint {
+    std::string path;
+    std::thread writer;
+    std::string error;  // set by the writer: "" on success
+  };
+  std::unique_ptr<PendingCheckpoint> pending_checkpoint_;  // an asynchronous save in flight
+  int64_t saves_started_ = 0;                              // names its store keys
+  c10::intrusive_ptr<c10d::Store> checkpoint_store_;       // set_checkpoint_store
+  std::string checkpoint_store_prefix_;
+  // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  // Hooks (backward thread) vs. the training thread; recursive because a
+  // gradient hook can complete a bucket whose release the gatherer handles.
+  std::recursive_mutex gradient_mutex_;
+  c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
+  bool gradients_reduced_ = false;               // shards hold the averaged gradient
+  double loss_scale_ = 1.0;
+  bool last_step_skipped_ = false;
+  bool skip_requested_ = false;
+  int64_t skipped_steps_ = 0;
+  int64_t model_forward_depth_ = 0;  // see model_forward_begin
+  bool gradient_sync_ = true;
+  bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
+  // Stage 1 overlap: the .grad tensors copied this step and their versions;
+  // stale once a second backward ran before the step.
+  struct Stage1Copy {
+    size_t group;
+    int64_t index;
+    at::Tensor grad;  // the .grad the hook copied
+    int64_t version;  // its version counter then
+  };
+  std::vector<Stage1Copy> stage1_copied_;
+  bool stage1_stale_ = false;
+};
+
+}  // namespace zeroshard

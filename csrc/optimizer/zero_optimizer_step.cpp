@@ -1,0 +1,167 @@
+// The step: zero_grad, step() (reduce, check, clip, update, gather) and, at
+// stages 1-2, the parameter all-gathers launched behind the update.
+#include "zero_optimizer_impl.h"
+
+#include "../checkpoint/checkpoint_detail.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <unordered_map>
+
+namespace zeroshard {
+at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  check_groups_fixed();
+  if (gatherer_) {
+    // A rank still in a forward or backward pass gets its gathers served
+    // until it arrives (see [Note: Negotiated collectives]).
+    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+    gatherer_->wait_for_all_ranks(AgreementBarrier::kStep);
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    // Hyper-parameters may have been edited since the last step (schedulers).
+    validate_inner_options(inner_kind_, param_groups_[g].options());
+    ensure_state_tensors(g);
+  }
+  const std::string detached = reattach_parameters();
+  finish_gradient_reduction();
+  bool overflow = false;
+  bool any_detached = false;
+  const auto has_grad = global_grad_presence(&overflow, !detached.empty(), &any_detached);
+  if (any_detached) {
+    // Every rank saw the flag; the names come from the ranks that have them.
+    // Nothing is updated and the gradients stay for a retry.
+    const std::string agreed = agreed_error(detached, "detached_parameters");
+    TORCH_CHECK(false, "zeroshard: step() refused ", agreed);
+  }
+  overflow = overflow || skip_requested_;
+  skip_requested_ = false;
+  last_step_skipped_ = overflow;
+  if (overflow) {
+    // Every rank saw the flag: nothing is updated anywhere.
+    skipped_steps_ += 1;
+    if (param_swapper_) {
+      param_swapper_->end_iteration();
+    }
+    if (gatherer_) {
+      gatherer_->after_step();
+    }
+  } else {
+    if (options_.max_norm() > 0) {
+      clip_grad_norm(options_.max_norm());
+    }
+    try {
+      update_shards(has_grad);
+    } catch (...) {
+      // Gathers launched before the failure are retired; a later gather
+      // (a checkpoint load) must launch every bucket again.
+      forget_parameter_gathers();
+      throw;
+    }
+    gather_parameters();
+  }
+  comm_->set_step(comm_->step() + 1);
+  // The step consumes the gradients.
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  clear_gradient_shards();
+  return loss;
+}
+
+void ZeroOptimizer::Impl::zero_grad(bool set_to_none) {
+  owner_.torch::optim::Optimizer::zero_grad(set_to_none);
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  if (buckets_->round_open()) {
+    // Only a backward pass that failed midway (an exception, e.g. out of
+    // memory) leaves a round open here: its end-of-backward never ran.
+    buckets_->abandon_round();
+    if (hooks_) {
+      hooks_->forget_backwards();
+    }
+    if (gatherer_) {
+      gatherer_->backward_finished();
+    }
+  }
+  clear_gradient_shards();
+  unsynced_gradients_ = false;
+}
+
+void ZeroOptimizer::Impl::gather_parameters() {
+  if (gatherer_) {
+    if (param_swapper_) {
+      param_swapper_->end_iteration();  // the step wrote every shard
+    }
+    for (auto& shard : shards_) {
+      if (shard.master.defined()) {  // 16-bit parameters: send the rounded master
+        shard.param_shard.copy_(shard.master);
+      }
+    }
+    gatherer_->after_step();
+    return;
+  }
+  try {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      launch_parameter_gathers(g, layout_->group(g).buckets().size());
+    }
+  } catch (...) {
+    forget_parameter_gathers();
+    throw;
+  }
+  // Whatever the waits do, the next gather starts from nothing.
+  std::vector<PendingCollective> pending = std::move(parameter_gathers_);
+  forget_parameter_gathers();
+  for (auto& work : pending) {
+    work.wait();
+  }
+}
+
+// [Note: gathers behind the update]
+// At stages 1-2 a bucket's all-gather can start as soon as this rank's slice
+// of it is updated: update_shards launches each bucket's gather when the
+// update moves past it, so the communication of bucket b overlaps the update
+// of b + 1 (the update walks the shard in bucket order), and the rest of a
+// group's before the next group's, so every rank issues them in (group,
+// bucket) order. gather_parameters launches what is left (every bucket,
+// with offload) and waits for all. A failed update drops the gathers it
+// launched without waiting (the other ranks then fail in theirs, bounded by
+// the process-group timeout, as with any failure between collectives).
+void ZeroOptimizer::Impl::forget_parameter_gathers() {
+  parameter_gathers_.clear();
+  std::fill(parameter_gathers_launched_.begin(), parameter_gathers_launched_.end(), 0);
+}
+
+void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
+  const GroupLayout& layout = layout_->group(g);
+  GroupShards& shard = shards_[g];
+  for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {
+    const Bucket& bucket = layout.buckets()[b];
+    // Gathered from this rank's own slice of flat_param: the fp32 master is
+    // that slice (written in place by the update), a 16-bit one is rounded
+    // into it here, and with offload the step already wrote it.
+    at::Tensor input = shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
+                                               bucket.shard_numel);
+    if (!offloaded_) {
+      const at::Tensor master = master_slice(g, bucket);
+      if (!master.is_alias_of(input)) {
+        input.copy_(master);
+      }
+    }
+    at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+    parameter_gathers_.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
+  }
+}
+
+}  // namespace zeroshard
