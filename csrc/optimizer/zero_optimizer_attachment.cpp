@@ -23,8 +23,8 @@
 
 #include <sstream>
 
-#include "zeroshard/parameter_gatherer.h"
 #include "zero_optimizer_impl.h"
+#include "zeroshard/parameter_gatherer.h"
 
 namespace zeroshard {
 namespace {
@@ -39,7 +39,8 @@ bool same_device(const c10::Device& a, const c10::Device& b) {
 // The buffer parameter (g, i) must be a view of, and where in its storage.
 // (No view is made here: narrowing a released stage-3 buffer, whose storage
 // holds 0 bytes, would fail its bounds check.)
-std::pair<const at::Tensor*, int64_t> ZeroOptimizer::Impl::attached_place(size_t g, size_t i) const {
+std::pair<const at::Tensor*, int64_t> ZeroOptimizer::Impl::attached_place(size_t g,
+                                                                          size_t i) const {
   const GroupLayout& layout = layout_->group(g);
   const ParamSlot& slot = layout.slot_of_param(static_cast<int64_t>(i));
   if (options_.stage() == 3) {

@@ -4,8 +4,8 @@
 #include "../checkpoint/checkpoint_detail.h"
 #include "../checkpoint/durable_file.h"
 #include "../checkpoint/element_runs.h"
-#include "zeroshard/safetensors.h"
 #include "zero_optimizer_impl.h"
+#include "zeroshard/safetensors.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -111,7 +111,7 @@ bool ZeroOptimizer::Impl::has_state(size_t g, OptimizerStateName name) const {
 }
 
 at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, int64_t offset,
-                                     int64_t length) const {
+                                           int64_t length) const {
   if (name == OptimizerStateName::kMaster) {
     return read_master(g, offset, length);
   }
@@ -163,7 +163,7 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
 }
 
 void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
-                                           const CheckpointSaveOptions& options) {
+                                                 const CheckpointSaveOptions& options) {
   // One save at a time: the previous asynchronous one first; its failure is
   // reported through the first agreement, so every rank raises together.
   std::string error = finish_pending_checkpoint();
@@ -327,7 +327,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
 bool ZeroOptimizer::Impl::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
 
 void ZeroOptimizer::Impl::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
-                                         std::string prefix) {
+                                               std::string prefix) {
   checkpoint_store_ = std::move(store);
   checkpoint_store_prefix_ = std::move(prefix);
 }

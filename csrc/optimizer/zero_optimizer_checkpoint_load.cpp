@@ -4,9 +4,9 @@
 #include "../checkpoint/checkpoint_detail.h"
 #include "../checkpoint/durable_file.h"
 #include "../checkpoint/element_runs.h"
+#include "zero_optimizer_impl.h"
 #include "zeroshard/crc32c.h"
 #include "zeroshard/safetensors.h"
-#include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -96,7 +96,7 @@ std::string read_latest_tag(const std::string& dir) {
 }
 
 LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in,
-                                                const CheckpointLoadOptions& options) {
+                                                      const CheckpointLoadOptions& options) {
   check_groups_fixed();
   // An asynchronous save still being written: its failure is reported through
   // the agreement below, so every rank raises together.

@@ -401,8 +401,9 @@ void ZeroOptimizer::Impl::set_loss_scale(double scale) {
   loss_scale_ = scale;
 }
 
-std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* overflow, bool detached,
-                                                                   bool* any_detached) {
+std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* overflow,
+                                                                         bool detached,
+                                                                         bool* any_detached) {
   int64_t total = 0;
   for (const auto& group : param_groups_) {
     total += static_cast<int64_t>(group.params().size());

@@ -106,7 +106,7 @@ void ZeroOptimizer::Impl::write_master(size_t g, int64_t offset, const at::Tenso
 }
 
 void ZeroOptimizer::Impl::write_parameter_values(size_t g, int64_t offset, const at::Tensor& values,
-                                           bool async) {
+                                                 bool async) {
   if (param_swapper_) {  // stage 3, the shards on NVMe
     param_swapper_->write(g, offset, values);
     return;

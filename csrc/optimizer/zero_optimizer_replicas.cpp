@@ -25,7 +25,7 @@ int64_t ZeroOptimizer::Impl::data_parallel_world_size() const {
 }
 
 void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_error,
-                                             const std::string& what) {
+                                                   const std::string& what) {
   if (!replica_comm_) {
     comm_->raise_if_any_rank_failed(local_error, what, device_);
     return;
@@ -41,7 +41,8 @@ void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_erro
   replica_comm_->raise_if_any_rank_failed(error, what, device_);
 }
 
-std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error, const std::string& tag) {
+std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error,
+                                              const std::string& tag) {
   // One node's failure stops every replica; an expert-parallel peer of a
   // failed rank would otherwise wait for it in the next collective until the
   // timeout.
@@ -103,7 +104,8 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
   }
 }
 
-void ZeroOptimizer::Impl::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
+void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
+                                          const CheckpointSaveOptions& options) {
   check_groups_fixed();
   if (!replica_comm_) {
     save_checkpoint_shards(path, options);

@@ -180,7 +180,8 @@ void ZeroOptimizer::Impl::pin_parameters(const std::vector<at::Tensor>& params) 
   gatherer_->pin(buckets_of(params));
 }
 
-void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
+void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params,
+                                           int64_t modifier_rank) {
   TORCH_CHECK_VALUE(modifier_rank < comm_->world_size(), "modifier_rank must be < world size ",
                     comm_->world_size(), ", got ", modifier_rank);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);

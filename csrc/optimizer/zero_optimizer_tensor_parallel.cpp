@@ -15,9 +15,9 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::Impl::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                        std::vector<std::vector<bool>> sharded,
-                                        std::vector<std::vector<TensorParallelSplit>> splits) {
+void ZeroOptimizer::Impl::set_tensor_parallel(
+    c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<std::vector<bool>> sharded,
+    std::vector<std::vector<TensorParallelSplit>> splits) {
   TORCH_CHECK_VALUE(group, "set_tensor_parallel needs the tensor-parallel process group");
   TORCH_CHECK_VALUE(sharded.size() == param_groups_.size(), "set_tensor_parallel: expected ",
                     param_groups_.size(), " lists of flags (one per parameter group), got ",
@@ -115,8 +115,8 @@ bool ZeroOptimizer::Impl::writes_checkpoint_piece(size_t g, size_t i) const {
          (!tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i]);
 }
 
-std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(const std::string& mine,
-                                                                      const std::string& tag) {
+std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(
+    const std::string& mine, const std::string& tag) {
   std::vector<std::string> shard_group = all_gather_strings(*comm_, mine, device(), tag);
   if (!tensor_parallel_comm_) {
     return shard_group;
@@ -133,7 +133,7 @@ std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(cons
 }
 
 void ZeroOptimizer::Impl::agree_on_checkpoint_errors(const std::string& local_error,
-                                               const std::string& what) {
+                                                     const std::string& what) {
   if (!tensor_parallel_comm_) {
     checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());
     return;
