@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace zeroshard {
@@ -79,11 +80,10 @@ const Keys kZeroAcceptedSizes = {
     "module_granularity_threshold", "parameter_alignment", "partition_stream_chunk_size",
     "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
     "stage3_module_granularity_threshold", "stage3_partition_stream_chunk_size"};
+// Beside these, the scalar options of zero_options.h's list (zero_keys).
 const Keys kZeroReadKeys = {
-    "stage", "overlap_comm", "reduce_bucket_size", "stage3_prefetch_bucket_size",
-    "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
-    "stage3_max_live_parameters", "max_live_parameters", "offload_optimizer", "offload_param",
-    "cpu_offload", "cpu_offload_param", "sub_group_size", "reduce_scatter", "elastic_checkpoint", "legacy_stage1",
+    "stage", "offload_optimizer", "offload_param",
+    "cpu_offload", "cpu_offload_param", "reduce_scatter", "elastic_checkpoint", "legacy_stage1",
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
     "mics_hierarchical_params_gather", "zenflow",
@@ -91,6 +91,14 @@ const Keys kZeroReadKeys = {
 
 Keys zero_keys() {
   Keys keys = kZeroReadKeys;
+  ZeroOptions options;
+  for_each_deepspeed_zero_option(options,
+                                 [&](const char* key, const char* alias, int64_t, const auto&) {
+                                   keys.emplace_back(key);
+                                   if (*alias != '\0') {
+                                     keys.emplace_back(alias);
+                                   }
+                                 });
   keys.insert(keys.end(), kZeroAcceptedFlags.begin(), kZeroAcceptedFlags.end());
   keys.insert(keys.end(), kZeroAcceptedSizes.begin(), kZeroAcceptedSizes.end());
   return keys;
@@ -194,17 +202,18 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
   if (out.zero_stage >= 1) {
     out.zero.stage(out.zero_stage);
   }
-  out.zero.overlap_comm(zero.boolean("overlap_comm", out.zero.overlap_comm()));
-  out.zero.reduce_bucket_size(zero.integer("reduce_bucket_size", out.zero.reduce_bucket_size(), 1));
-  out.zero.stage3_prefetch_bucket_size(
-      zero.integer(aliased(zero, "stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-                   out.zero.stage3_prefetch_bucket_size(), 0));
-  out.zero.stage3_param_persistence_threshold(zero.integer(
-      aliased(zero, "stage3_param_persistence_threshold", "param_persistence_threshold"),
-      out.zero.stage3_param_persistence_threshold(), 0));
-  out.zero.stage3_max_live_parameters(
-      zero.integer(aliased(zero, "stage3_max_live_parameters", "max_live_parameters"),
-                   out.zero.stage3_max_live_parameters(), 0));
+  // The scalar options DeepSpeed names: [Note: one list of the scalar
+  // options] in zero_options.h gives their keys, older spellings and bounds.
+  for_each_deepspeed_zero_option(
+      out.zero, [&](const char* key, const char* alias, int64_t least, auto& value) {
+        using Value = std::decay_t<decltype(value)>;
+        const std::string read = *alias != '\0' ? aliased(zero, key, alias) : key;
+        if constexpr (std::is_same_v<Value, bool>) {
+          value = zero.boolean(read, value);
+        } else {
+          value = static_cast<Value>(zero.integer(read, static_cast<int64_t>(value), least));
+        }
+      });
   for (const auto& key : kZeroAcceptedFlags) {
     zero.boolean(key, false);
   }
@@ -212,7 +221,6 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
     zero.integer(key, 0, std::numeric_limits<int64_t>::min());
   }
 
-  out.zero.sub_group_size(zero.integer("sub_group_size", out.zero.sub_group_size(), 1));
   const bool pin = zero.boolean("cpu_offload_use_pin_memory", false);
   OffloadOptions optimizer_offload =
       read_offload(zero, "offload_optimizer", pin, out, &out.offload_optimizer);

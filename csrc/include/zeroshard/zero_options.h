@@ -112,36 +112,53 @@ struct ZeroOptions {
 // binding reads keyword arguments through it and exports the defaults
 // (zeroshard._C.zero_option_defaults(), which the Python signature uses), so
 // a scalar option is declared by its TORCH_ARG above and one line here; a
-// test checks that ZeroOptimizer's Python signature agrees. The structured
-// options (offload_optimizer, offload_param, aio, materialize_device) have
-// readers of their own.
-#define ZEROSHARD_SCALAR_ZERO_OPTIONS(X) \
-  X(stage)                               \
-  X(reduce_bucket_size)                  \
-  X(max_norm)                            \
-  X(overlap_comm)                        \
-  X(max_buckets_in_flight)               \
-  X(fused)                               \
-  X(reduce_in_fp32)                      \
-  X(gloo_reduce_scatter_all_to_all)      \
-  X(gloo_all_gather_broadcasts)          \
-  X(stage1_reduce_in_backward)           \
-  X(skip_nonfinite_steps)                \
-  X(broadcast_from_rank)                 \
-  X(gradient_divide_factor)              \
-  X(sub_group_size)                      \
-  X(stage3_prefetch_bucket_size)         \
-  X(stage3_param_persistence_threshold)  \
-  X(stage3_max_live_parameters)          \
-  X(check_collective_order)
+// test checks that ZeroOptimizer's Python signature agrees. The DeepSpeed
+// config reader reads the options that have a zero_optimization key through
+// it too: X(name, key, older spelling or "", least value accepted). The
+// structured options (offload_optimizer, offload_param, aio,
+// materialize_device) and the stage (which may be "auto") have readers of
+// their own.
+#define ZEROSHARD_SCALAR_ZERO_OPTIONS(X)                                                   \
+  X(stage, "", "", 0)                                                                      \
+  X(reduce_bucket_size, "reduce_bucket_size", "", 1)                                       \
+  X(max_norm, "", "", 0) /* DeepSpeed's top-level gradient_clipping */                     \
+  X(overlap_comm, "overlap_comm", "", 0)                                                   \
+  X(max_buckets_in_flight, "", "", 1)                                                      \
+  X(fused, "", "", 0)                                                                      \
+  X(reduce_in_fp32, "", "", 0)                                                             \
+  X(gloo_reduce_scatter_all_to_all, "", "", 0)                                             \
+  X(gloo_all_gather_broadcasts, "", "", 0)                                                 \
+  X(stage1_reduce_in_backward, "", "", 0)                                                  \
+  X(skip_nonfinite_steps, "", "", 0)                                                       \
+  X(broadcast_from_rank, "", "", 0)                                                        \
+  X(gradient_divide_factor, "", "", 0)                                                     \
+  X(sub_group_size, "sub_group_size", "", 1)                                               \
+  X(stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size", "prefetch_bucket_size", 0) \
+  X(stage3_param_persistence_threshold, "stage3_param_persistence_threshold",              \
+    "param_persistence_threshold", 0)                                                      \
+  X(stage3_max_live_parameters, "stage3_max_live_parameters", "max_live_parameters", 0)    \
+  X(check_collective_order, "", "", 0)
 
 // Calls visit(name, value) for each scalar option, `value` a reference to
 // the option's field (const when `options` is).
 template <typename Options, typename Visitor>
 void for_each_scalar_zero_option(Options& options, Visitor&& visit) {
-#define ZEROSHARD_VISIT_ZERO_OPTION(name) visit(#name, options.name());
+#define ZEROSHARD_VISIT_ZERO_OPTION(name, key, alias, least) visit(#name, options.name());
   ZEROSHARD_SCALAR_ZERO_OPTIONS(ZEROSHARD_VISIT_ZERO_OPTION)
 #undef ZEROSHARD_VISIT_ZERO_OPTION
+}
+
+// Calls visit(key, alias, least, value) for each scalar option a DeepSpeed
+// config sets under zero_optimization (key: its name there; alias: its older
+// spelling or ""; least: the smallest value accepted).
+template <typename Options, typename Visitor>
+void for_each_deepspeed_zero_option(Options& options, Visitor&& visit) {
+#define ZEROSHARD_VISIT_DEEPSPEED_OPTION(name, key, alias, least)   \
+  if (*(key) != '\0') {                                             \
+    visit(key, alias, static_cast<int64_t>(least), options.name()); \
+  }
+  ZEROSHARD_SCALAR_ZERO_OPTIONS(ZEROSHARD_VISIT_DEEPSPEED_OPTION)
+#undef ZEROSHARD_VISIT_DEEPSPEED_OPTION
 }
 
 // Throws, naming the value and what is expected, if an option is invalid.
