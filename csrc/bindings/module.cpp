@@ -4,6 +4,7 @@
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/nvme_parameter_swapper.h"
 #include "zeroshard/nvme_state_swapper.h"
+#include "zeroshard/optimizer_states.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/zero_optimizer.h"
 
@@ -287,6 +288,16 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_estimator(m);
   m.def("zero_option_defaults", &zeroshard::zero_option_defaults,
         "The defaults of ZeroOptions' scalar options, by name.");
+  m.def(
+      "optimizer_state_names",
+      [] {
+        std::vector<std::string> names;
+        for (zeroshard::OptimizerStateName state : zeroshard::kAllOptimizerStates) {
+          names.emplace_back(zeroshard::optimizer_state_name(state));
+        }
+        return names;
+      },
+      "The names of the states a shard may hold (optimizer_states.h), the master first.");
 
   m.def(
       "inner_update",
@@ -396,6 +407,20 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("group"), py::arg("sharded"), py::arg("splits"),
           "splits: per group, per parameter (dim, start, unsplit shape); dim -1 for a copy.")
+      .def("set_expert_parallel", &ZeroOptimizer::set_expert_parallel, py::arg("group"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("model_parallel",
+           [](const ZeroOptimizer& self) {
+             switch (self.model_parallel()) {
+               case ZeroOptimizer::ModelParallel::kTensor:
+                 return "tensor";
+               case ZeroOptimizer::ModelParallel::kExpert:
+                 return "expert";
+               case ZeroOptimizer::ModelParallel::kNone:
+                 break;
+             }
+             return "none";
+           })
       .def("checkpoint_rank", &ZeroOptimizer::checkpoint_rank)
       .def("skip_next_step", &ZeroOptimizer::skip_next_step)
       .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),

@@ -377,14 +377,4 @@ void Communicator::broadcast(at::Tensor& tensor, int64_t root, const std::string
       .wait();
 }
 
-void Communicator::raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
-                                            c10::Device device) {
-  at::Tensor failed =
-      at::tensor({static_cast<int32_t>(local_error.empty() ? 0 : 1)}, at::kInt).to(device);
-  all_reduce_max(failed, "error_agreement");
-  TORCH_CHECK_VALUE(local_error.empty(), local_error);
-  TORCH_CHECK_VALUE(failed.cpu().item<int32_t>() == 0, "another rank failed to ", what,
-                    " (its error says why); failing here too instead of waiting for it");
-}
-
 }  // namespace zeroshard

@@ -69,4 +69,13 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
   return agreed;
 }
 
+void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,
+                              const std::string& local_error, const std::string& what,
+                              c10::Device device, const std::string& tag) {
+  const std::string agreed = agree_on_error(scope, local_error, device, tag);
+  TORCH_CHECK_VALUE(local_error.empty(), local_error);
+  TORCH_CHECK_VALUE(agreed.empty(), "another rank failed to ", what,
+                    "; failing here too instead of waiting for it: ", agreed);
+}
+
 }  // namespace zeroshard

@@ -13,7 +13,11 @@ namespace {
 
 StateKind state_kind_of(const DeepSpeedConfig& config) {
   if (config.optimizer_type != "SGD") {
-    return StateKind::kAdam;  // Adam, AdamW, or none given (the caller's: assume Adam's two)
+    // Adam, AdamW, or none given (the caller's: assume Adam's states).
+    const auto amsgrad = config.optimizer_params.find("amsgrad");
+    return amsgrad != config.optimizer_params.end() && amsgrad->is_boolean() && amsgrad->get<bool>()
+               ? StateKind::kAdamAmsgrad
+               : StateKind::kAdam;
   }
   const auto momentum = config.optimizer_params.find("momentum");
   return momentum != config.optimizer_params.end() && momentum->get<double>() != 0

@@ -1,10 +1,13 @@
 #include "zeroshard/memory_estimator.h"
 
+#include "zeroshard/inner_optimizer.h"
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/shard_chunk.h"
 #include "zeroshard/state_placement.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
+#include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -60,6 +63,9 @@ StateKind parse_state_kind(const std::string& optimizer_name) {
   if (key == "adam" || key == "adamw") {
     return StateKind::kAdam;
   }
+  if (key == "adam_amsgrad" || key == "adamw_amsgrad" || key == "amsgrad") {
+    return StateKind::kAdamAmsgrad;
+  }
   if (key == "sgd_momentum" || key == "sgd-momentum" || key == "momentum") {
     return StateKind::kSgdMomentum;
   }
@@ -67,13 +73,27 @@ StateKind parse_state_kind(const std::string& optimizer_name) {
     return StateKind::kSgd;
   }
   TORCH_CHECK_VALUE(false, "unknown optimizer '", optimizer_name,
-                    "'; expected 'adam', 'adamw', 'sgd_momentum' or 'sgd'");
+                    "'; expected 'adam', 'adamw', 'adam_amsgrad', 'sgd_momentum' or 'sgd'");
+}
+
+int64_t state_count(StateKind optimizer) {
+  switch (optimizer) {
+    case StateKind::kAdam:
+      return optimizer_state_count(InnerOptimizerKind::kAdamW, torch::optim::AdamWOptions());
+    case StateKind::kAdamAmsgrad:
+      return optimizer_state_count(InnerOptimizerKind::kAdamW,
+                                   torch::optim::AdamWOptions().amsgrad(true));
+    case StateKind::kSgdMomentum:
+      return optimizer_state_count(InnerOptimizerKind::kSGD,
+                                   torch::optim::SGDOptions(1.0).momentum(0.9));
+    case StateKind::kSgd:
+      return optimizer_state_count(InnerOptimizerKind::kSGD, torch::optim::SGDOptions(1.0));
+  }
+  return 0;
 }
 
 StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer) {
-  const double states = optimizer == StateKind::kAdam          ? 2
-                        : optimizer == StateKind::kSgdMomentum ? 1
-                                                               : 0;
+  const auto states = static_cast<double>(state_count(optimizer));
   StateBytes bytes;
   if (precision == PrecisionRecipe::kMixed16) {
     bytes.param = 2;

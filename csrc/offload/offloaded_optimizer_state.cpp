@@ -156,18 +156,8 @@ int64_t OffloadedOptimizerState::swap_slot(OptimizerStateName name) const {
   return slot < (swapper_ ? swapper_->states_per_sub_group() : 0) ? slot : -1;
 }
 
-void OffloadedOptimizerState::ensure_moments(size_t g, int64_t state_count) {
-  std::vector<OptimizerStateName> names;
-  if (kind_ == InnerOptimizerKind::kSGD) {
-    if (state_count > 0) {
-      names.push_back(OptimizerStateName::kMomentumBuffer);
-    }
-  } else {
-    names = {OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq};
-    if (state_count == 3) {
-      names.push_back(OptimizerStateName::kMaxExpAvgSq);
-    }
-  }
+void OffloadedOptimizerState::ensure_states(size_t g,
+                                            const std::vector<OptimizerStateName>& names) {
   for (OptimizerStateName name : names) {
     check_swap_room(g, name);  // before anything changes
   }

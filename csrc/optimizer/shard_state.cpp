@@ -31,25 +31,19 @@ ShardState ZeroOptimizer::Impl::shard_state() const {
   state.emplace_back("meta_stage", scalar_tensor(options_.stage()));
   state.emplace_back("meta_inner_optimizer", scalar_tensor(static_cast<int64_t>(inner_kind_)));
   state.emplace_back("meta_layout_fingerprint", scalar_tensor(layout_->fingerprint()));
-  state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(shards_.size())));
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    const GroupShards& shard = shards_[g];
+  state.emplace_back("meta_num_groups", scalar_tensor(static_cast<int64_t>(buffers_.size())));
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    const int64_t numel = layout_->group(g).shard_numel();
     state.emplace_back(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)),
                        master_shard(g));
-    const at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
-                                   &shard.momentum_buffer};
-    for (size_t k = 0; k < 4; ++k) {
-      const OptimizerStateName name = kAllOptimizerStates[k + 1];
-      if (offloaded_ && offloaded_->has(g, name)) {
-        state.emplace_back(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])),
-                           offloaded_->read(g, name, 0, layout_->group(g).shard_numel(),
-                                            fp32_options().device(c10::kCPU)));
-      } else if (tensors[k]->defined()) {
-        state.emplace_back(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])),
-                           tensors[k]->detach().clone());
+    for (OptimizerStateName name : kAllOptimizerStates) {
+      if (name != OptimizerStateName::kMaster && storage().has(g, name)) {
+        state.emplace_back(
+            group_key(g, optimizer_state_name(name)),
+            storage().read(g, name, 0, numel, fp32_options().device(storage().home_device())));
       }
     }
-    state.emplace_back(group_key(g, "steps"), at::tensor(shard.steps, at::kLong));
+    state.emplace_back(group_key(g, "steps"), at::tensor(buffers_[g].steps, at::kLong));
   }
   return state;
 }
@@ -88,7 +82,7 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
     TORCH_CHECK_VALUE(meta("meta_layout_fingerprint") == layout_->fingerprint(),
                       "this optimizer state was saved with another partition layout "
                       "(different parameters, groups or reduce_bucket_size)");
-    for (size_t g = 0; g < shards_.size(); ++g) {
+    for (size_t g = 0; g < buffers_.size(); ++g) {
       for (OptimizerStateName state : kAllOptimizerStates) {
         auto it = by_key.find(group_key(g, optimizer_state_name(state)));
         if (it != by_key.end()) {
@@ -100,40 +94,29 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
       const std::string master = group_key(g, optimizer_state_name(OptimizerStateName::kMaster));
       TORCH_CHECK_VALUE(by_key.count(master) == 1, "state '", master, "' is missing");
       auto it = by_key.find(group_key(g, "steps"));
-      TORCH_CHECK_VALUE(
-          it != by_key.end() && it->second.numel() == static_cast<int64_t>(shards_[g].steps.size()),
-          "state '", group_key(g, "steps"), "' is missing or has the wrong size");
+      TORCH_CHECK_VALUE(it != by_key.end() &&
+                            it->second.numel() == static_cast<int64_t>(buffers_[g].steps.size()),
+                        "state '", group_key(g, "steps"), "' is missing or has the wrong size");
     }
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   }
-  raise_if_any_rank_failed(error,
-                           "load its zeroshard optimizer state; nothing was loaded on any rank");
+  raise_if_any_rank_failed(
+      error, "load its zeroshard optimizer state; nothing was loaded on any rank", "shard_state");
 
   at::NoGradGuard no_grad;
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    GroupShards& shard = shards_[g];
+  for (size_t g = 0; g < buffers_.size(); ++g) {
     set_master_shard(g, by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
                             .to(fp32_options()));
-    at::Tensor* tensors[] = {&shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
-                             &shard.momentum_buffer};
-    for (size_t k = 0; k < 4; ++k) {
-      auto it = by_key.find(group_key(g, optimizer_state_name(kAllOptimizerStates[k + 1])));
-      if (it == by_key.end()) {
-        continue;
+    for (OptimizerStateName name : kAllOptimizerStates) {
+      auto it = by_key.find(group_key(g, optimizer_state_name(name)));
+      if (name != OptimizerStateName::kMaster && it != by_key.end()) {
+        storage().write(g, name, 0, it->second);
       }
-      if (offloaded_) {
-        offloaded_->write(g, kAllOptimizerStates[k + 1], 0, it->second);
-        continue;
-      }
-      if (!tensors[k]->defined()) {
-        *tensors[k] = at::empty({layout_->group(g).shard_numel()}, fp32_options());
-      }
-      tensors[k]->copy_(it->second);
     }
     at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
     const auto* data = steps.data_ptr<int64_t>();
-    shard.steps.assign(data, data + steps.numel());
+    buffers_[g].steps.assign(data, data + steps.numel());
   }
   if (offloaded_) {
     refresh_parameters_from_master();

@@ -76,6 +76,12 @@ void ZeroOptimizer::set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> g
   impl_->set_tensor_parallel(std::move(group), std::move(sharded), std::move(splits));
 }
 int64_t ZeroOptimizer::checkpoint_rank() const { return impl_->checkpoint_rank(); }
+void ZeroOptimizer::set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  impl_->set_expert_parallel(std::move(group));
+}
+ZeroOptimizer::ModelParallel ZeroOptimizer::model_parallel() const {
+  return impl_->model_parallel();
+}
 void ZeroOptimizer::gradient_arrived(size_t group, int64_t index) {
   impl_->gradient_arrived(group, index);
 }

@@ -48,7 +48,7 @@ std::pair<const at::Tensor*, int64_t> ZeroOptimizer::Impl::attached_place(size_t
     const at::Tensor& full = gatherer_->full(g, slot.bucket_index);
     return {&full, full.storage_offset() + slot.flat_offset - bucket.flat_offset};
   }
-  const at::Tensor& flat = shards_[g].flat_param;
+  const at::Tensor& flat = buffers_[g].flat_param;
   return {&flat, flat.storage_offset() + slot.flat_offset};
 }
 
@@ -60,7 +60,7 @@ std::string ZeroOptimizer::Impl::reattach_parameters() {
     for (const auto& replacement : replacements_[g]) {
       awaiting_adoption = awaiting_adoption || replacement.defined();
     }
-    if (awaiting_adoption || (options_.stage() < 3 && !shards_[g].flat_param.defined())) {
+    if (awaiting_adoption || (options_.stage() < 3 && !buffers_[g].flat_param.defined())) {
       continue;
     }
     auto& params = param_groups_[g].params();

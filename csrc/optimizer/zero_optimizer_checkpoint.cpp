@@ -98,16 +98,7 @@ std::vector<std::string> ZeroOptimizer::Impl::parameter_aliases(size_t group, si
 }
 
 bool ZeroOptimizer::Impl::has_state(size_t g, OptimizerStateName name) const {
-  if (name == OptimizerStateName::kMaster) {
-    return true;
-  }
-  if (offloaded_) {
-    return offloaded_->has(g, name);
-  }
-  const GroupShards& shard = shards_[g];
-  const at::Tensor* tensors[] = {nullptr, &shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
-                                 &shard.momentum_buffer};
-  return tensors[static_cast<size_t>(name)]->defined();
+  return storage().has(g, name);
 }
 
 at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, int64_t offset,
@@ -115,13 +106,11 @@ at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, in
   if (name == OptimizerStateName::kMaster) {
     return read_master(g, offset, length);
   }
-  if (offloaded_) {
-    return offloaded_->read(g, name, offset, length, fp32_options().device(c10::kCPU));
-  }
-  const GroupShards& shard = shards_[g];
-  const at::Tensor* tensors[] = {nullptr, &shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
-                                 &shard.momentum_buffer};
-  return tensors[static_cast<size_t>(name)]->narrow(0, offset, length);
+  // Written to a file from the host: a device moment is read in place.
+  at::Tensor in_place = storage().view(g, name, offset, length);
+  return in_place.defined()
+             ? in_place
+             : storage().read(g, name, offset, length, fp32_options().device(c10::kCPU));
 }
 
 json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions& options) const {
@@ -154,7 +143,7 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
                                  {"shape", tensor_parallel_split(g, i).full_shape},
                                  {"dtype", safetensors_dtype_name(param.scalar_type())},
                                  {"group", g},
-                                 {"step", shards_[g].steps[i]},
+                                 {"step", buffers_[g].steps[i]},
                                  {"states", json::object()}});
     }
     index["groups"].push_back(std::move(group));
@@ -204,8 +193,8 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   std::vector<checkpoint_detail::PieceSpec> pieces;
   if (error.empty()) {
     try {
-      for (size_t g = 0; g < shards_.size(); ++g) {
-        for (const ShardSegment& segment : shards_[g].segments) {
+      for (size_t g = 0; g < buffers_.size(); ++g) {
+        for (const ShardSegment& segment : buffers_[g].segments) {
           const size_t i = segment.param_index;
           if (!writes_checkpoint_piece(g, i)) {
             continue;

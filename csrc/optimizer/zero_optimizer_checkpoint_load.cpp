@@ -105,13 +105,13 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   result.path = checkpoint_path(path_in, "");
   const std::string& path = result.path;
   const bool with_state = options.load_optimizer_states();
-  std::vector<std::array<at::Tensor, 5>> loaded(shards_.size());
-  std::vector<std::vector<int64_t>> steps(shards_.size());
+  std::vector<std::array<at::Tensor, 5>> loaded(buffers_.size());
+  std::vector<std::vector<int64_t>> steps(buffers_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
   bool same_grouping = false;  // the saved groups are this optimizer's
   std::string index_crc;
   std::vector<std::string> held;  // the saved names this rank's parameters matched
-  std::vector<std::vector<const json*>> match(shards_.size());
+  std::vector<std::vector<const json*>> match(buffers_.size());
   // The data files, opened on first use.
   std::vector<std::optional<SafetensorsReader>> files;
   auto file = [&](size_t f) -> const SafetensorsReader& {
@@ -132,7 +132,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   auto visit_state = [&](size_t g, OptimizerStateName state, const auto& put,
                          const auto& zero) -> bool {
     bool any = false;
-    for (const ShardSegment& segment : shards_[g].segments) {
+    for (const ShardSegment& segment : buffers_[g].segments) {
       const json& entry = *match[g][segment.param_index];
       const std::string& name = entry.at("name").get_ref<const std::string&>();
       const json& states = entry.at("states");
@@ -200,7 +200,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   // memory from one pass.
   const bool streaming = offloaded_ && placement_->offload_tier() == StateTier::kNVMe;
   // Per group, the states the second pass writes (the master always).
-  std::vector<std::vector<OptimizerStateName>> streamed(shards_.size());
+  std::vector<std::vector<OptimizerStateName>> streamed(buffers_.size());
   try {
     TORCH_CHECK_VALUE(error.empty(), error);
     result.index = read_checkpoint_index(path);
@@ -223,7 +223,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     std::vector<std::string> mismatches;
     int64_t mismatch_count = 0;
     std::unordered_map<const json*, bool> used;
-    for (size_t g = 0; g < shards_.size(); ++g) {
+    for (size_t g = 0; g < buffers_.size(); ++g) {
       for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
         const std::string name = parameter_name(g, i);
         // A tensor-parallel piece is matched by its unsplit shape.
@@ -297,14 +297,14 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       saved_options.push_back(param_groups_[g].options().clone());
       apply_inner_options_json(inner_kind_, *saved_options.back(), groups[g].at("hyperparameters"));
     }
-    for (size_t g = 0; g < shards_.size(); ++g) {
+    for (size_t g = 0; g < buffers_.size(); ++g) {
       const int64_t shard_numel = layout_->group(g).shard_numel();
       const torch::optim::OptimizerOptions& group_options =
           same_grouping ? *saved_options[g] : param_groups_[g].options();
       for (OptimizerStateName state : kAllOptimizerStates) {
-        const bool wanted = state == OptimizerStateName::kMaster ||
-                            (with_state && inner_optimizer_uses_state(inner_kind_, group_options,
-                                                                      static_cast<int>(state)));
+        const bool wanted =
+            state == OptimizerStateName::kMaster ||
+            (with_state && inner_optimizer_uses_state(inner_kind_, group_options, state));
         if (!wanted) {
           continue;
         }
@@ -411,7 +411,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     // every rank; the state is then partly loaded, as the message says.
     std::string stream_error;
     try {
-      for (size_t g = 0; g < shards_.size(); ++g) {
+      for (size_t g = 0; g < buffers_.size(); ++g) {
         for (OptimizerStateName state : streamed[g]) {
           if (state != OptimizerStateName::kMaster && !with_state) {
             continue;
@@ -426,7 +426,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
                 offloaded_->write(g, state, offset, at::zeros({length}, at::kFloat));
               });
         }
-        shards_[g].steps = steps[g];
+        buffers_[g].steps = steps[g];
       }
     } catch (const std::exception& e) {
       stream_error = message_of(e);
@@ -437,28 +437,17 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
                 "again): ",
                 agreed);
   }
-  for (size_t g = 0; g < shards_.size() && !streaming; ++g) {
-    GroupShards& shard = shards_[g];
+  for (size_t g = 0; g < buffers_.size() && !streaming; ++g) {
     write_master(g, 0, loaded[g][0].to(fp32_options()));
     if (!with_state) {
       continue;
     }
-    at::Tensor* tensors[] = {nullptr, &shard.exp_avg, &shard.exp_avg_sq, &shard.max_exp_avg_sq,
-                             &shard.momentum_buffer};
     for (size_t k = 1; k < kAllOptimizerStates.size(); ++k) {
-      const at::Tensor& values = loaded[g][k];
-      if (!values.defined()) {
-        continue;
-      }
-      if (offloaded_) {
-        offloaded_->write(g, kAllOptimizerStates[k], 0, values);
-      } else if (tensors[k]->defined()) {
-        tensors[k]->copy_(values);
-      } else {
-        *tensors[k] = values.to(fp32_options());
+      if (loaded[g][k].defined()) {
+        storage().adopt(g, kAllOptimizerStates[k], loaded[g][k]);
       }
     }
-    shard.steps = steps[g];
+    buffers_[g].steps = steps[g];
   }
   for (size_t g = 0; g < saved_options.size(); ++g) {
     param_groups_[g].set_options(std::move(saved_options[g]));

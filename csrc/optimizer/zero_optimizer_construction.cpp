@@ -83,7 +83,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
   // Usually every rank passes the same arguments and fails alike; if only some
   // do, the others must not wait for them in the first collective.
-  raise_if_any_rank_failed(error, "construct its ZeroOptimizer");
+  raise_if_any_rank_failed(error, "construct its ZeroOptimizer", "construction");
   if (replica_comm_) {
     // Replicas must hold the same shard: the same position in shard groups
     // of one size (a replicate group built from other ranks would sum
@@ -104,7 +104,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
           std::to_string(e[0]) + " and shard group sizes " + std::to_string(-e[3]) + ".." +
           std::to_string(e[2]);
     }
-    raise_if_any_rank_failed(mismatch, "check its replicate group");
+    raise_if_any_rank_failed(mismatch, "check its replicate group", "replicate_group");
   }
 
   std::vector<std::vector<int64_t>> numels;
@@ -148,7 +148,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
           }
           const Bucket& bucket = layout_->group(g).buckets()[b];
           at::Tensor shard =
-              shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+              buffers_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
           if (placement_->parameter_tier() == StateTier::kDevice) {
             return shard;
           }
@@ -159,14 +159,16 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
         },
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
   }
-  shards_.resize(param_groups_.size());
+  buffers_.resize(param_groups_.size());
+  device_storage_ =
+      std::make_unique<DeviceShardStorage>(buffers_, *layout_, comm_->rank(), device_);
   parameter_gathers_launched_.assign(param_groups_.size(), 0);
   std::vector<at::TensorOptions> grad_options;
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    shards_[g].param_options = param_options[g];
-    shards_[g].grad_options =
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    buffers_[g].param_options = param_options[g];
+    buffers_[g].grad_options =
         options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
-    grad_options.push_back(shards_[g].grad_options);
+    grad_options.push_back(buffers_[g].grad_options);
   }
   if (placement_->offloads_optimizer()) {
     std::vector<c10::ScalarType> dtypes;
@@ -222,7 +224,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
   buckets_ = std::make_unique<GradientBuckets>(
       *layout_, *comm_, grad_options,
-      [this](size_t g) -> at::Tensor& { return shards_[g].grad_shard; },
+      [this](size_t g) -> at::Tensor& { return buffers_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
   if (gatherer_ && options_.check_collective_order() && comm_->world_size() > 1) {
@@ -365,28 +367,16 @@ std::vector<BucketId> ZeroOptimizer::Impl::buckets_of(const std::vector<at::Tens
 }
 
 const at::Tensor& ZeroOptimizer::Impl::flat_parameters(size_t group) const {
-  TORCH_CHECK_INDEX(group < shards_.size(), "group ", group, " out of range [0, ", shards_.size(),
+  TORCH_CHECK_INDEX(group < buffers_.size(), "group ", group, " out of range [0, ", buffers_.size(),
                     ")");
   TORCH_CHECK(options_.stage() < 3,
               "flat_parameters() is a stage 1/2 view; at stage 3 parameters are gathered per "
               "unit (use full_parameters() or pin_parameters())");
-  return shards_[group].flat_param;
+  return buffers_[group].flat_param;
 }
 
 int64_t ZeroOptimizer::Impl::optimizer_state_bytes() const {
-  int64_t bytes = 0;
-  if (offloaded_) {
-    bytes += offloaded_->bytes(StateTier::kDevice) + offloaded_->bytes(StateTier::kHost);
-  }
-  for (const auto& shard : shards_) {
-    for (const at::Tensor* t : {&shard.master, &shard.exp_avg, &shard.exp_avg_sq,
-                                &shard.max_exp_avg_sq, &shard.momentum_buffer}) {
-      if (t->defined()) {
-        bytes += t->numel() * static_cast<int64_t>(t->element_size());
-      }
-    }
-  }
-  return bytes;
+  return storage().bytes(StateTier::kDevice) + storage().bytes(StateTier::kHost);
 }
 
 void ZeroOptimizer::Impl::check_groups_fixed() const {

@@ -23,8 +23,8 @@ namespace zeroshard {
 void ZeroOptimizer::Impl::clear_gradient_shards() {
   buckets_->wait_all();
   buckets_->reset();
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    at::Tensor& shard = shards_[g].grad_shard;
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    at::Tensor& shard = buffers_[g].grad_shard;
     if (options_.stage() == 1) {
       shard = at::Tensor();
     } else if (shard.defined() && !buckets_->first_round_writes_shard(g)) {
@@ -97,9 +97,9 @@ void ZeroOptimizer::Impl::on_stage1_gradient(size_t g, int64_t i, const at::Tens
 }
 
 void ZeroOptimizer::Impl::ensure_stage1_grad_shards() {
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    if (!shards_[g].grad_shard.defined()) {
-      shards_[g].grad_shard = new_stage1_grad_shard(g);
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    if (!buffers_[g].grad_shard.defined()) {
+      buffers_[g].grad_shard = new_stage1_grad_shard(g);
     }
   }
 }
@@ -207,7 +207,7 @@ void ZeroOptimizer::Impl::finish_gradient_reduction() {
     // complete, and launch, one after another.
     clear_gradient_shards();
     for (size_t g = 0; g < param_groups_.size(); ++g) {
-      shards_[g].grad_shard = new_stage1_grad_shard(g);
+      buffers_[g].grad_shard = new_stage1_grad_shard(g);
     }
     for (size_t g = 0; g < param_groups_.size(); ++g) {
       const auto& params = param_groups_[g].params();
@@ -252,7 +252,7 @@ void ZeroOptimizer::Impl::finish_gradient_reduction() {
   if (offloaded_) {
     grad_shard_scale_ = 1.0 / divisor;
   } else {
-    for (auto& shard : shards_) {
+    for (auto& shard : buffers_) {
       shard.grad_shard.div_(divisor);
     }
   }
@@ -263,7 +263,7 @@ void ZeroOptimizer::Impl::for_each_gradient_chunk(
     size_t g, int64_t offset, int64_t length,
     const std::function<void(const at::Tensor&)>& fn) const {
   NvmeGradientSwapper* swapped = swapped_gradients(g);
-  const at::Tensor& shard = shards_[g].grad_shard;
+  const at::Tensor& shard = buffers_[g].grad_shard;
   if (!swapped && !shard.defined()) {
     return;  // stage 1 before its first reduction: no gradient yet
   }
@@ -302,8 +302,8 @@ at::Tensor ZeroOptimizer::Impl::gradient_norm() {
   at::NoGradGuard no_grad;
   // [pieces of tensor-parallel splits, everything else]: see set_tensor_parallel.
   at::Tensor squares = at::zeros({2}, fp32_options());
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    const GroupShards& shard = shards_[g];
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    const GroupBuffers& shard = buffers_[g];
     if (!tensor_parallel_comm_) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
         squares[1].add_(chunk.to(at::kFloat).pow(2).sum());
@@ -333,7 +333,7 @@ void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
     grad_shard_scale_ *= coefficient.item<double>();
     return;
   }
-  for (auto& shard : shards_) {
+  for (auto& shard : buffers_) {
     shard.grad_shard.mul_(
         coefficient.to(shard.grad_shard.device(), shard.grad_shard.scalar_type()));
   }
@@ -369,8 +369,8 @@ int64_t ZeroOptimizer::Impl::release_cached_buffers() {
 
 int64_t ZeroOptimizer::Impl::gradient_shard_bytes(bool on_host) const {
   int64_t bytes = 0;
-  for (size_t g = 0; g < shards_.size(); ++g) {
-    const at::Tensor& shard = shards_[g].grad_shard;
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    const at::Tensor& shard = buffers_[g].grad_shard;
     if (shard.defined() && placement_->gradient_shard_on_host(g) == on_host) {
       bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
     }
@@ -414,7 +414,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   flags[total + 1] = detached ? 1 : 0;
   if (options_.skip_nonfinite_steps()) {
     bool finite = true;
-    for (size_t g = 0; g < shards_.size(); ++g) {
+    for (size_t g = 0; g < buffers_.size(); ++g) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
         finite = finite && at::isfinite(chunk).all().item<bool>();
       });

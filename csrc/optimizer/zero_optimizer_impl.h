@@ -5,8 +5,11 @@
 // of it (docs/design.md's file table says which).
 #pragma once
 
+#include "device_shard_storage.h"
+#include "group_buffers.h"
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
+#include "zeroshard/error_agreement.h"
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
 #include "zeroshard/inner_optimizer.h"
@@ -78,6 +81,12 @@ class ZeroOptimizer::Impl {
                            std::vector<std::vector<bool>> sharded,
                            std::vector<std::vector<TensorParallelSplit>> splits = {});
   int64_t checkpoint_rank() const;
+  void set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ModelParallel model_parallel() const { return model_parallel_; }
+  // The prefix of the model-parallel group's collective tags, naming it.
+  const char* model_parallel_tag() const {
+    return model_parallel_ == ModelParallel::kExpert ? "expert_parallel/" : "tensor_parallel/";
+  }
   void gradient_arrived(size_t group, int64_t index);
   const at::Tensor& flat_parameters(size_t group) const;
   int64_t optimizer_state_bytes() const;
@@ -127,41 +136,20 @@ class ZeroOptimizer::Impl {
   void reset_peak_gathered_parameter_bytes();
 
   // ---- The parts of a step, and the state they share ----
-  // Per group, this rank's shards and what it needs to use them.
-  struct GroupShards {
-    at::TensorOptions param_options;  // dtype and device of the parameters
-    at::TensorOptions grad_options;   // of buckets and the gradient shard (reduce_in_fp32)
-    at::Tensor flat_param;            // stages 1-2: 1D, layout.flat_numel(), parameter dtype
-    // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
-    // what the all-gathers send. For fp32 parameters it is also the master.
-    at::Tensor param_shard;
-    // 1D, shard_numel, grad_shard_options(g): grad_options, or in host
-    // memory (fp32 with 'cpu' offload) when the placement says so.
-    // Undefined where the gradient shard is swapped to NVMe
-    // (swapped_gradients(g)).
-    at::Tensor grad_shard;
-    // 1D, shard_numel, fp32. Undefined when the parameters are fp32: their
-    // master values are this rank's slices of flat_param itself. See
-    // [Note: fp32 master] in zero_optimizer_master.cpp.
-    at::Tensor master;
-    at::Tensor exp_avg;  // 1D, shard_numel, fp32 (Adam/AdamW)
-    at::Tensor exp_avg_sq;
-    at::Tensor max_exp_avg_sq;           // amsgrad only
-    at::Tensor momentum_buffer;          // SGD with momentum only
-    std::vector<int64_t> steps;          // per parameter: updates applied so far
-    std::vector<ShardSegment> segments;  // what this rank owns
-  };
 
   void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
                   std::vector<ParameterUnit> units);
   // ---- Hybrid sharding (zero_optimizer_replicas.cpp); no-ops without it ----
   // An error found on some ranks of either group raised on every rank.
-  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what);
+  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
+                                const std::string& tag);
   // Every rank's error ("" for none) combined over the shard group, then
   // across replicas, then across the tensor-/expert-parallel group: the same
   // string on every rank.
   std::string agreed_error(const std::string& local_error, const std::string& tag);
+  // The groups those agreements span (absent ones null).
+  std::vector<AgreementGroup> agreement_scope() const;
   // The shard, replica and tensor-parallel communicators this optimizer has.
   std::vector<Communicator*> communicators() const;
   // A group added after construction (C++ add_param_group is not virtual)
@@ -291,7 +279,7 @@ class ZeroOptimizer::Impl {
       c10::intrusive_ptr<c10d::ProcessGroup> group) const;
   // Where group g's gradient shard is allocated (StatePlacement decides).
   at::TensorOptions grad_shard_options(size_t g) const {
-    return placement_->gradient_shard_options(g, shards_[g].grad_options);
+    return placement_->gradient_shard_options(g, buffers_[g].grad_options);
   }
   // Bytes of the gradient shards held on the host (on_host) or the device.
   int64_t gradient_shard_bytes(bool on_host) const;
@@ -319,22 +307,32 @@ class ZeroOptimizer::Impl {
   ZeroOptions options_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> replica_comm_;  // hybrid sharding only
+  // The model-parallel group (tensor- or expert-parallel: model_parallel_).
   std::unique_ptr<Communicator> tensor_parallel_comm_;
+  ModelParallel model_parallel_ = ModelParallel::kNone;
   std::vector<std::vector<bool>> tensor_parallel_sharded_;                // per group and parameter
   std::vector<std::vector<TensorParallelSplit>> tensor_parallel_splits_;  // empty: not given
   std::unique_ptr<PartitionLayout> layout_;
   std::unique_ptr<StatePlacement> placement_;
   // With offload_optimizer: the master and moments of every group (then
-  // GroupShards holds none of them).
+  // GroupBuffers holds none of them).
   std::unique_ptr<OffloadedOptimizerState> offloaded_;
   // With offload_param on NVMe: the stage-3 parameter shards (then
-  // GroupShards::param_shard is undefined).
+  // GroupBuffers::param_shard is undefined).
   std::unique_ptr<NvmeParameterSwapper> param_swapper_;
   // Stage 1's gradient shard lives for a step (or from backward to step()),
   // and a fresh mapping each step faulted its pages in again and made the
   // step time swing (see [Note: the stage-1 shard between steps]).
   HostBufferPool stage1_grad_shard_pool_;
-  std::vector<GroupShards> shards_;
+  std::vector<GroupBuffers> buffers_;
+  // The device tier of the states (over buffers_); with offload_optimizer,
+  // offloaded_ is the tier that holds them, and the device tier serves only
+  // construction's first read of the master. storage() is whichever holds
+  // them: [Note: one home for the shard's states] in shard_storage.h.
+  std::unique_ptr<DeviceShardStorage> device_storage_;
+  ShardStorage& storage() const {
+    return offloaded_ ? static_cast<ShardStorage&>(*offloaded_) : *device_storage_;
+  }
   // Stages 1-2: this step's parameter all-gathers in flight (their input is
   // this rank's slice of flat_param), and per group how many buckets have
   // been launched.

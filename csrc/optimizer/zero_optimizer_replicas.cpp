@@ -24,32 +24,24 @@ int64_t ZeroOptimizer::Impl::data_parallel_world_size() const {
   return comm_->world_size() * (replica_comm_ ? replica_comm_->world_size() : 1);
 }
 
-void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_error,
-                                                   const std::string& what) {
-  if (!replica_comm_) {
-    comm_->raise_if_any_rank_failed(local_error, what, device_);
-    return;
-  }
-  // Both agreements run on every rank whatever the first one found, so no
-  // replica is left waiting in the second.
-  std::string error = local_error;
-  try {
-    comm_->raise_if_any_rank_failed(local_error, what, device_);
-  } catch (const c10::Error& e) {
-    error = e.what_without_backtrace();
-  }
-  replica_comm_->raise_if_any_rank_failed(error, what, device_);
+std::vector<AgreementGroup> ZeroOptimizer::Impl::agreement_scope() const {
+  // One node's failure stops every replica; an expert-parallel peer of a
+  // failed rank would otherwise wait for it in the next collective until the
+  // timeout.
+  return {{comm_.get(), ""},
+          {replica_comm_.get(), "replicas/"},
+          {tensor_parallel_comm_.get(), model_parallel_tag()}};
 }
 
 std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error,
                                               const std::string& tag) {
-  // One node's failure stops every replica; an expert-parallel peer of a
-  // failed rank would otherwise wait for it in the next collective until the
-  // timeout.
-  return agree_on_error({{comm_.get(), ""},
-                         {replica_comm_.get(), "replicas/"},
-                         {tensor_parallel_comm_.get(), "tensor_parallel/"}},
-                        local_error, device_, tag);
+  return agree_on_error(agreement_scope(), local_error, device_, tag);
+}
+
+void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_error,
+                                                   const std::string& what,
+                                                   const std::string& tag) {
+  zeroshard::raise_if_any_rank_failed(agreement_scope(), local_error, what, device_, tag);
 }
 
 void ZeroOptimizer::Impl::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
@@ -68,7 +60,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
   if (!replica_comm_) {
     return;
   }
-  for (size_t g = 0; g < shards_.size(); ++g) {
+  for (size_t g = 0; g < buffers_.size(); ++g) {
     const std::string tag = "replicas/group" + std::to_string(g) + "/grad_shard";
     if (NvmeGradientSwapper* swapped = swapped_gradients(g)) {
       // From the swap file and back, a chunk at a time, through the device.
@@ -82,7 +74,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
       raise_gradient_swap_failure("reduce the gradients across replicas");
       continue;
     }
-    at::Tensor& shard = shards_[g].grad_shard;
+    at::Tensor& shard = buffers_[g].grad_shard;
     if (!shard.defined() || shard.numel() == 0) {
       continue;  // every replica has the same layout, so all skip alike
     }

@@ -19,7 +19,7 @@ void ZeroOptimizer::Impl::build_group_shards() {
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const GroupLayout& layout = layout_->group(g);
     auto& params = param_groups_[g].params();
-    GroupShards& shard = shards_[g];
+    GroupBuffers& shard = buffers_[g];
     const auto param_options = shard.param_options;
     shard.steps.assign(params.size(), 0);
     shard.segments = layout.segments_of_rank(rank);
@@ -45,11 +45,13 @@ void ZeroOptimizer::Impl::build_group_shards() {
           shard.flat_param.narrow(0, slot.flat_offset, slot.numel).view(params[i].sizes()));
     }
     if (offloaded_) {
-      offloaded_->initialize_group(g, master_shard(g));
+      offloaded_->initialize_group(g, device_storage_->read(g, OptimizerStateName::kMaster, 0,
+                                                            layout.shard_numel(), fp32_options()));
     } else if (params[0].scalar_type() != at::kFloat) {
-      shard.master = at::empty({layout.shard_numel()}, fp32_options());
+      shard.state(OptimizerStateName::kMaster) = at::empty({layout.shard_numel()}, fp32_options());
       for (const auto& bucket : layout.buckets()) {
-        shard.master.narrow(0, bucket.shard_offset, bucket.shard_numel)
+        shard.state(OptimizerStateName::kMaster)
+            .narrow(0, bucket.shard_offset, bucket.shard_numel)
             .copy_(shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, rank),
                                            bucket.shard_numel));
       }
@@ -71,7 +73,7 @@ void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
   const int64_t rank = comm_->rank();
   const GroupLayout& layout = layout_->group(g);
   auto& params = param_groups_[g].params();
-  GroupShards& shard = shards_[g];
+  GroupBuffers& shard = buffers_[g];
   const bool meta = params[0].is_meta();
   // offload_param: the shard lives on the host ('cpu': gathers copy it over
   // first) or in the parameter swap file ('nvme').
@@ -146,32 +148,12 @@ void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
     }
   }
   if (!offloaded_ && shard.param_options.dtype() != at::kFloat) {
-    shard.master = shard.param_shard.to(at::kFloat);
+    shard.state(OptimizerStateName::kMaster) = shard.param_shard.to(at::kFloat);
   }
 }
 
 void ZeroOptimizer::Impl::ensure_state_tensors(size_t g) {
-  if (offloaded_) {
-    offloaded_->ensure_moments(g, optimizer_state_count(inner_kind_, param_groups_[g].options()));
-    return;
-  }
-  GroupShards& shard = shards_[g];
-  const auto options = fp32_options();
-  const int64_t n = layout_->group(g).shard_numel();
-  const auto& group_options = param_groups_[g].options();
-  if (inner_kind_ == InnerOptimizerKind::kSGD) {
-    if (optimizer_state_count(inner_kind_, group_options) > 0 && !shard.momentum_buffer.defined()) {
-      shard.momentum_buffer = at::zeros({n}, options);
-    }
-    return;
-  }
-  if (!shard.exp_avg.defined()) {
-    shard.exp_avg = at::zeros({n}, options);
-    shard.exp_avg_sq = at::zeros({n}, options);
-  }
-  if (optimizer_state_count(inner_kind_, group_options) == 3 && !shard.max_exp_avg_sq.defined()) {
-    shard.max_exp_avg_sq = at::zeros({n}, options);
-  }
+  storage().ensure_states(g, inner_optimizer_states(inner_kind_, param_groups_[g].options()));
 }
 
 }  // namespace zeroshard

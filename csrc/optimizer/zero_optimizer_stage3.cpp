@@ -193,7 +193,7 @@ void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params
       const Bucket& bucket = layout_->group(g).buckets()[b];
       at::Tensor full = gatherer_
                             ? gatherer_->full(g, b)
-                            : shards_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
+                            : buffers_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
       comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
       // Hybrid sharding: modifier_rank of the first replica decides.
       broadcast_across_replicas(full, "modified/" + bucket_tag(g, b));
@@ -202,8 +202,8 @@ void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params
         write_master(g, bucket.shard_offset, mine);
         if (param_swapper_) {
           param_swapper_->write(g, bucket.shard_offset, mine);
-        } else if (shards_[g].param_shard.defined()) {
-          shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+        } else if (buffers_[g].param_shard.defined()) {
+          buffers_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
         }
       });
     }
@@ -273,9 +273,9 @@ void ZeroOptimizer::Impl::end_initialization(const std::vector<at::Tensor>& para
       if (param_swapper_) {
         param_swapper_->write(g, bucket.shard_offset, mine);
       } else {
-        shards_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
+        buffers_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel).copy_(mine);
       }
-      if (shards_[g].master.defined() || offloaded_) {
+      if (buffers_[g].state(OptimizerStateName::kMaster).defined() || offloaded_) {
         write_master(g, bucket.shard_offset, mine);
       }
     });
@@ -298,7 +298,7 @@ int64_t ZeroOptimizer::Impl::parameter_bytes() const {
   if (param_swapper_) {  // what stays in host memory; the rest is on disk
     bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
   }
-  for (const auto& shard : shards_) {
+  for (const auto& shard : buffers_) {
     if (shard.param_shard.defined()) {
       bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
     }
@@ -311,7 +311,7 @@ int64_t ZeroOptimizer::Impl::gathered_parameter_bytes() const {
     return gatherer_->live_bytes();
   }
   int64_t bytes = 0;
-  for (const auto& shard : shards_) {
+  for (const auto& shard : buffers_) {
     bytes += shard.flat_param.numel() * static_cast<int64_t>(shard.flat_param.element_size());
   }
   return bytes;

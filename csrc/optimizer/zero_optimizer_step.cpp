@@ -104,9 +104,10 @@ void ZeroOptimizer::Impl::gather_parameters() {
     if (param_swapper_) {
       param_swapper_->end_iteration();  // the step wrote every shard
     }
-    for (auto& shard : shards_) {
-      if (shard.master.defined()) {  // 16-bit parameters: send the rounded master
-        shard.param_shard.copy_(shard.master);
+    for (auto& shard : buffers_) {
+      const at::Tensor& master = shard.state(OptimizerStateName::kMaster);
+      if (master.defined()) {  // 16-bit parameters: send the rounded master
+        shard.param_shard.copy_(master);
       }
     }
     gatherer_->after_step();
@@ -145,7 +146,7 @@ void ZeroOptimizer::Impl::forget_parameter_gathers() {
 
 void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
   const GroupLayout& layout = layout_->group(g);
-  GroupShards& shard = shards_[g];
+  GroupBuffers& shard = buffers_[g];
   for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {
     const Bucket& bucket = layout.buckets()[b];
     // Gathered from this rank's own slice of flat_param: the fp32 master is

@@ -55,6 +55,25 @@ void ZeroOptimizer::Impl::set_tensor_parallel(
   tensor_parallel_sharded_ = std::move(sharded);
   tensor_parallel_splits_ = std::move(splits);
   tensor_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
+  model_parallel_ = ModelParallel::kTensor;
+}
+
+void ZeroOptimizer::Impl::set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK_VALUE(group, "set_expert_parallel needs the expert-parallel process group");
+  // Each rank's experts are tensors of their own: for the norm, the skip
+  // decision and checkpoints they are what a tensor-parallel piece with no
+  // split dimension is (split dim -1, the whole shape).
+  std::vector<std::vector<bool>> sharded;
+  std::vector<std::vector<TensorParallelSplit>> splits;
+  for (const auto& param_group : param_groups_) {
+    sharded.emplace_back(param_group.params().size(), true);
+    splits.emplace_back();
+    for (const at::Tensor& param : param_group.params()) {
+      splits.back().push_back({-1, 0, param.sizes().vec()});
+    }
+  }
+  set_tensor_parallel(std::move(group), std::move(sharded), std::move(splits));
+  model_parallel_ = ModelParallel::kExpert;
 }
 
 void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
@@ -71,7 +90,7 @@ void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
 at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor squares) {
   if (tensor_parallel_comm_) {
     at::Tensor pieces = squares.narrow(0, 0, 1).clone();
-    tensor_parallel_comm_->all_reduce_sum(pieces, "tensor_parallel/grad_norm");
+    tensor_parallel_comm_->all_reduce_sum(pieces, std::string(model_parallel_tag()) + "grad_norm");
     squares.narrow(0, 0, 1).copy_(pieces);
   }
   return squares.sum();
@@ -79,7 +98,7 @@ at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor sq
 
 void ZeroOptimizer::Impl::max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag) {
   if (tensor_parallel_comm_) {
-    tensor_parallel_comm_->all_reduce_max(tensor, "tensor_parallel/" + tag);
+    tensor_parallel_comm_->all_reduce_max(tensor, model_parallel_tag() + tag);
   }
 }
 
@@ -124,7 +143,7 @@ std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(
   std::vector<std::string> all;
   for (const std::string& each :
        all_gather_strings(*tensor_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
-                          "tensor_parallel/" + tag)) {
+                          model_parallel_tag() + tag)) {
     for (auto& one : nlohmann::json::parse(each)) {
       all.push_back(one.get<std::string>());
     }

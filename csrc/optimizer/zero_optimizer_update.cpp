@@ -22,7 +22,7 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
   std::string nvme_error;
   forget_parameter_gathers();  // none is in flight between steps
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    GroupShards& shard = shards_[g];
+    GroupBuffers& shard = buffers_[g];
     const auto& group_options = param_groups_[g].options();
     for (size_t i = 0; i < shard.steps.size(); ++i) {
       if (has_grad[g][i]) {
@@ -77,9 +77,12 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
           return t.defined() ? t.narrow(0, offset + done, numel) : at::Tensor();
         };
         at::Tensor grad = part(shard.grad_shard);
-        ShardView view{master.narrow(0, done, numel), widen ? grad.to(at::kFloat) : grad,
-                       part(shard.exp_avg),           part(shard.exp_avg_sq),
-                       part(shard.max_exp_avg_sq),    part(shard.momentum_buffer)};
+        ShardView view{master.narrow(0, done, numel),
+                       widen ? grad.to(at::kFloat) : grad,
+                       part(shard.state(OptimizerStateName::kExpAvg)),
+                       part(shard.state(OptimizerStateName::kExpAvgSq)),
+                       part(shard.state(OptimizerStateName::kMaxExpAvgSq)),
+                       part(shard.state(OptimizerStateName::kMomentumBuffer))};
         apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
       }
     }

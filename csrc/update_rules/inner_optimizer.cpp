@@ -245,12 +245,31 @@ void validate_inner_options(InnerOptimizerKind kind,
                     " (expected weight_decay >= 0)");
 }
 
+std::vector<OptimizerStateName> inner_optimizer_states(
+    InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options) {
+  if (kind == InnerOptimizerKind::kSGD) {
+    if (static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0) {
+      return {OptimizerStateName::kMomentumBuffer};
+    }
+    return {};
+  }
+  if (adam_hyper(kind, options).amsgrad) {
+    return {OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq,
+            OptimizerStateName::kMaxExpAvgSq};
+  }
+  return {OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq};
+}
+
 int64_t optimizer_state_count(InnerOptimizerKind kind,
                               const torch::optim::OptimizerOptions& options) {
-  if (kind == InnerOptimizerKind::kSGD) {
-    return static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0 ? 1 : 0;
-  }
-  return adam_hyper(kind, options).amsgrad ? 3 : 2;
+  return static_cast<int64_t>(inner_optimizer_states(kind, options).size());
+}
+
+bool inner_optimizer_uses_state(InnerOptimizerKind kind,
+                                const torch::optim::OptimizerOptions& options,
+                                OptimizerStateName state) {
+  const auto states = inner_optimizer_states(kind, options);
+  return std::find(states.begin(), states.end(), state) != states.end();
 }
 
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,

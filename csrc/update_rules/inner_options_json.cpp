@@ -71,21 +71,4 @@ void apply_inner_options_json(InnerOptimizerKind kind, torch::optim::OptimizerOp
   }
 }
 
-bool inner_optimizer_uses_state(InnerOptimizerKind kind,
-                                const torch::optim::OptimizerOptions& options, int state_index) {
-  switch (kind) {
-    case InnerOptimizerKind::kAdam:
-      return state_index == 1 || state_index == 2 ||
-             (state_index == 3 && static_cast<const torch::optim::AdamOptions&>(options).amsgrad());
-    case InnerOptimizerKind::kAdamW:
-      return state_index == 1 || state_index == 2 ||
-             (state_index == 3 &&
-              static_cast<const torch::optim::AdamWOptions&>(options).amsgrad());
-    case InnerOptimizerKind::kSGD:
-      return state_index == 4 &&
-             static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0;
-  }
-  return false;
-}
-
 }  // namespace zeroshard

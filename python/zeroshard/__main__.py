@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--ranks-per-node", type=int, default=1)
     est.add_argument("--precision", default="mixed16", choices=["mixed16", "fp32"])
     est.add_argument(
-        "--optimizer", default="adamw", choices=["adam", "adamw", "sgd_momentum", "sgd"]
+        "--optimizer",
+        default="adamw",
+        choices=["adam", "adamw", "adam_amsgrad", "sgd_momentum", "sgd"],
     )
     est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     est.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])

@@ -18,7 +18,9 @@ import torch
 from zeroshard import _C
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_STATES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+# The moments a shard may hold (the master aside), by torch.optim's names,
+# which DeepSpeed's files use too: one list, optimizer_states.h's.
+_STATES = tuple(name for name in _C.optimizer_state_names() if name != "master")
 # Top-level keys of DeepSpeed's model-states file that are DeepSpeed's own;
 # every other key came from save_checkpoint's client_state.
 _DEEPSPEED_KEYS = frozenset(

@@ -144,7 +144,7 @@ def estimate(
     Give ``num_params`` or a ``model`` (its parameters and largest unit are
     counted). ``precision``: ``"mixed16"`` (16-bit params/grads, fp32 master)
     or ``"fp32"``. ``optimizer``: ``"adam"``/``"adamw"`` (two states),
-    ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
+    ``"adam_amsgrad"`` (three), ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
     ignored (reported as not applicable) below it. ``offload_ratio`` and
     ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``

@@ -377,12 +377,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
                     "optimizer are not supported; give the experts an optimizer of their own"
                 )
             # Each rank's experts are other tensors: their norms add up over
-            # the group, as the pieces of a tensor-parallel split do.
-            self._impl.set_tensor_parallel(
-                expert_parallel_group,
-                [[True] * len(g["params"]) for g in self.param_groups],
-                [[(-1, 0, list(p.shape)) for p in g["params"]] for g in self.param_groups],
-            )
+            # the group, a non-finite gradient anywhere skips every rank.
+            self._impl.set_expert_parallel(expert_parallel_group)
             # Expert gradients are reduced in step(), never from backward
             # hooks: which experts a rank's tokens reach differs between
             # ranks, so the order in which this optimizer's and the dense

@@ -151,6 +151,20 @@ TEST(MemoryEstimatorTest, Fp32AndSgdStateSizes) {
   EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kSgd).optimizer, 0);
 }
 
+// amsgrad's max_exp_avg_sq is a third fp32 state: the estimator counted two
+// before it took the count from inner_optimizer_states.
+TEST(MemoryEstimatorTest, AmsgradCountsItsThirdState) {
+  EXPECT_EQ(state_count(StateKind::kAdamAmsgrad), 3);
+  EXPECT_EQ(state_count(parse_state_kind("adamw_amsgrad")), 3);
+  EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kMixed16, StateKind::kAdamAmsgrad).optimizer,
+            16);
+  EXPECT_EQ(state_bytes_per_param(PrecisionRecipe::kFp32, StateKind::kAdamAmsgrad).optimizer, 12);
+  const auto adam = EstimateOptions().num_params(1e6).world_size(2);
+  EXPECT_GT(
+      estimate_memory(1, EstimateOptions(adam).optimizer(StateKind::kAdamAmsgrad)).optimizer_bytes,
+      estimate_memory(1, adam).optimizer_bytes);
+}
+
 TEST(MemoryEstimatorTest, OffloadMovesBytesToTheNode) {
   auto options =
       EstimateOptions().num_params(1e9).world_size(8).ranks_per_node(8).offload_optimizer(

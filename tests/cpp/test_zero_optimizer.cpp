@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -398,6 +399,52 @@ TEST(ZeroOptimizerErrorsTest, BadFileOnOneRankFailsOnEveryRank) {
   });
   EXPECT_NE(errors[0].find("another rank failed to load"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("is missing or has the wrong size"), std::string::npos) << errors[1];
+  // The rank that did not fail is told which one did, and why.
+  EXPECT_NE(errors[0].find("rank 1: "), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("is missing or has the wrong size"), std::string::npos) << errors[0];
+}
+
+// Expert parallelism on 4 ranks: expert e (values and gradients of its own)
+// is sharded over ranks {2e, 2e + 1}; ranks {0, 2} and {1, 3} are the
+// expert-parallel groups. The clipping norm counts both experts, and a
+// non-finite gradient in one expert skips the step on every rank.
+TEST(ZeroOptimizerExpertParallelTest, NormSpansTheExpertsAndOneOverflowSkipsEveryRank) {
+  constexpr double kMaxNorm = 1.0;
+  auto errors = RunHybridRanks(4, /*shard_size=*/2, [&](int rank, HybridGroups groups) {
+    const int expert = rank / 2;
+    const double local = rank % 2;
+    std::vector<at::Tensor> params = {at::full({5}, expert + 1.0).set_requires_grad(true),
+                                      at::full({3}, -expert - 1.0).set_requires_grad(true)};
+    ZeroOptimizer optimizer(params, groups.shard, torch::optim::SGDOptions(1.0),
+                            ZeroOptions().stage(1).skip_nonfinite_steps(true));
+    optimizer.set_expert_parallel(groups.replicate);
+    ASSERT_EQ(optimizer.model_parallel(), ZeroOptimizer::ModelParallel::kExpert);
+    auto set_grads = [&](double value) {
+      for (const at::Tensor& param : params) {
+        param.mutable_grad() = at::full_like(param, value);
+      }
+    };
+    // Expert e's averaged gradient is (e + 1) * 1.5 in all 8 elements.
+    set_grads((expert + 1.0) * (local + 1.0));
+    const double norm = optimizer.clip_grad_norm(kMaxNorm).item<double>();
+    const double expected_norm = std::sqrt(8 * 2.25 * (1.0 + 4.0));
+    EXPECT_NEAR(norm, expected_norm, 1e-5);
+    optimizer.step();
+    ASSERT_FALSE(optimizer.last_step_skipped());
+    const double step = (expert + 1.0) * 1.5 * kMaxNorm / (expected_norm + 1e-6);
+    EXPECT_NEAR(params[0][0].item<double>(), expert + 1.0 - step, 1e-6);
+    EXPECT_NEAR(params[1][0].item<double>(), -expert - 1.0 - step, 1e-6);
+
+    const at::Tensor before = params[0].detach().clone();
+    optimizer.zero_grad();
+    set_grads(expert == 1 && local == 0 ? std::nan("") : 1.0);
+    optimizer.step();
+    EXPECT_TRUE(optimizer.last_step_skipped()) << "rank " << rank;
+    EXPECT_TRUE(at::equal(params[0].detach(), before)) << "rank " << rank;
+  });
+  for (const std::string& error : errors) {
+    EXPECT_EQ(error, "");
+  }
 }
 
 TEST(ZeroOptimizerErrorsTest, DuplicateParameterAndBadStageFailOnEveryRank) {

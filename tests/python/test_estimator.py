@@ -167,17 +167,22 @@ class _Mlp(nn.Module):
 
 def _measure(rank: int, world_size: int) -> list[dict[str, Any]]:
     out = []
-    for stage, dtype in (
-        (1, torch.float32),
-        (2, torch.float32),
-        (2, torch.bfloat16),
-        (3, torch.float32),
-        (3, torch.bfloat16),
+    for stage, dtype, amsgrad in (
+        (1, torch.float32, False),
+        (2, torch.float32, False),
+        (2, torch.bfloat16, False),
+        (3, torch.float32, False),
+        (3, torch.bfloat16, False),
+        # amsgrad's max_exp_avg_sq: a third state the estimate once left out.
+        (2, torch.bfloat16, True),
+        (3, torch.float32, True),
     ):
         torch.manual_seed(0)
         model = _Mlp(dtype)
         stage3 = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
-        optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=stage, **stage3)
+        optimizer = zeroshard.ZeroOptimizer(
+            model.parameters(), "adamw", stage=stage, amsgrad=amsgrad, **stage3
+        )
         x = torch.randn(8, 128, dtype=dtype)
         for _ in range(2):
             optimizer.zero_grad()
@@ -190,6 +195,7 @@ def _measure(rank: int, world_size: int) -> list[dict[str, Any]]:
             {
                 "stage": stage,
                 "precision": "fp32" if dtype == torch.float32 else "mixed16",
+                "optimizer": "adam_amsgrad" if amsgrad else "adamw",
                 "num_params": sum(p.numel() for p in model.parameters()),
                 "measured": optimizer.parameter_bytes()
                 + measured_grads
@@ -207,11 +213,13 @@ def test_estimate_matches_what_zeroshard_allocates(world_size: int) -> None:
                 row["num_params"],
                 world_size=world_size,
                 precision=row["precision"],
+                optimizer=row["optimizer"],
                 stages=(row["stage"],),
             )[0]["model_state_bytes"]
             error = abs(row["measured"] - estimated) / estimated
             print(
-                f"world_size={world_size} stage {row['stage']} {row['precision']}: measured "
+                f"world_size={world_size} stage {row['stage']} {row['precision']} "
+                f"{row['optimizer']}: measured "
                 f"{row['measured']} B, estimated {estimated:.0f} B, {100 * error:.2f}% apart"
             )
             assert error <= 0.03

@@ -202,6 +202,7 @@ def _train(
         param_names=_expert_names(model),
         **experts_only,
     )
+    assert experts._impl.model_parallel() == "expert"
     ep_group = mesh["ep"].get_group() if ep > 1 else None
     per = TOKENS // WORLD
     used_per_step, skipped = [], []

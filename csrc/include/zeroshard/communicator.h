@@ -170,13 +170,6 @@ class Communicator {
   void set_all_gather_broadcasts(bool enabled) { broadcast_all_gather_ = enabled; }
   void broadcast(at::Tensor& tensor, int64_t root, const std::string& tag);
 
-  // Collective: turns an error found on some ranks into an error on every
-  // rank, so no rank is left waiting in a later collective. Call it on every
-  // rank with this rank's error message ("" if none); throws c10::ValueError
-  // with the local message, or naming `what` on ranks that had none.
-  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
-                                c10::Device device);
-
   // [Note: Collective order check]
   // While enabled, every collective is preceded by a small all-reduce in which
   // the ranks compare what they are about to issue (kind, size, tag); ranks

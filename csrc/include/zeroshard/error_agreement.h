@@ -1,8 +1,8 @@
 // Errors agreed across ranks: a failure on any rank becomes the same error on
 // every rank, so that no rank goes on into a collective the failed one will
 // never join (a hang until the timeout) and every log names what failed where.
-// The one mechanism behind construction, NVMe I/O, checkpoint and replica
-// agreements; stage 3's gather agreements are collective_agreement.h.
+// The one mechanism behind construction, loads, NVMe I/O, checkpoint and
+// replica agreements; stage 3's gather agreements are collective_agreement.h.
 #pragma once
 
 #include "zeroshard/communicator.h"
@@ -36,5 +36,13 @@ struct AgreementGroup {
 // group; "" when no rank failed.
 std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
                            c10::Device device, const std::string& tag);
+
+// agree_on_error, then the raise: a rank that failed throws its own message
+// (what its caller would have thrown alone), the others c10::ValueError
+// "another rank failed to <what>; ...: " and the agreed message, which names
+// the failed ranks and says why.
+void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,
+                              const std::string& local_error, const std::string& what,
+                              c10::Device device, const std::string& tag);
 
 }  // namespace zeroshard

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "zeroshard/host_optimizer_kernel.h"
+#include "zeroshard/optimizer_states.h"
 #include "zeroshard/shard_chunk.h"
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +16,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zeroshard {
 
@@ -29,11 +31,20 @@ InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions&
 // Throws, naming the value, if the hyper-parameters are out of range.
 void validate_inner_options(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
 
-// Number of fp32 state tensors per element kept by this kind and options
-// (Adam/AdamW: exp_avg, exp_avg_sq and max_exp_avg_sq with amsgrad; SGD: a
-// momentum buffer when momentum != 0).
+// The states this kind with these options keeps beside the fp32 master, in
+// OptimizerStateName order: Adam/AdamW exp_avg, exp_avg_sq, and
+// max_exp_avg_sq with amsgrad; SGD a momentum buffer when momentum != 0. The
+// one answer to "which states, how many" for the shards, the offloaded
+// storage, checkpoints and the memory estimator.
+std::vector<OptimizerStateName> inner_optimizer_states(
+    InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
+// Its size: fp32 state tensors per element beside the master.
 int64_t optimizer_state_count(InnerOptimizerKind kind,
                               const torch::optim::OptimizerOptions& options);
+// Whether `state` is one of them (the master is not).
+bool inner_optimizer_uses_state(InnerOptimizerKind kind,
+                                const torch::optim::OptimizerOptions& options,
+                                OptimizerStateName state);
 
 // One contiguous run of a shard whose parameters share a step count.
 struct ShardView {
@@ -64,9 +75,5 @@ nlohmann::json inner_options_to_json(InnerOptimizerKind kind,
                                      const torch::optim::OptimizerOptions& options);
 void apply_inner_options_json(InnerOptimizerKind kind, torch::optim::OptimizerOptions& options,
                               const nlohmann::json& values);
-// Whether this kind with these options keeps `state_index` (1 exp_avg,
-// 2 exp_avg_sq, 3 max_exp_avg_sq, 4 momentum_buffer; OptimizerStateName order).
-bool inner_optimizer_uses_state(InnerOptimizerKind kind,
-                                const torch::optim::OptimizerOptions& options, int state_index);
 
 }  // namespace zeroshard

@@ -19,11 +19,15 @@ namespace zeroshard {
 // kFp32: fp32 parameters and gradients (the master values are the
 // parameters). kMixed16: 16-bit parameters and gradients, fp32 master copy.
 enum class PrecisionRecipe { kFp32, kMixed16 };
-// Optimizer states per parameter, in fp32: Adam/AdamW 2, SGD with momentum 1.
-enum class StateKind { kAdam, kSgdMomentum, kSgd };
+// Which optimizer's states to count: Adam/AdamW (with or without amsgrad),
+// SGD with or without momentum. How many fp32 states each keeps is
+// inner_optimizer_states' answer (state_count), not the estimator's own.
+enum class StateKind { kAdam, kAdamAmsgrad, kSgdMomentum, kSgd };
 
 PrecisionRecipe parse_precision(const std::string& name);
 StateKind parse_state_kind(const std::string& optimizer_name);
+// fp32 states per parameter beside the master: 2, 3, 1 and 0.
+int64_t state_count(StateKind optimizer);
 
 struct EstimateOptions {
   TORCH_ARG(double, num_params) = 0;           // Ψ

@@ -30,6 +30,7 @@
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/nvme_state_swapper.h"
 #include "zeroshard/optimizer_states.h"
+#include "zeroshard/shard_storage.h"
 #include "zeroshard/state_placement.h"
 
 #include <ATen/core/Tensor.h>
@@ -43,7 +44,9 @@
 
 namespace zeroshard {
 
-class OffloadedOptimizerState {
+// The host and NVMe tier of ShardStorage ([Note: one home for the shard's
+// states] in shard_storage.h), and the offloaded step.
+class OffloadedOptimizerState final : public ShardStorage {
  public:
   // Writes `values` (a 1D tensor, any device, the parameters' dtype) into the
   // parameter copy the device uses, at shard offset `offset` of group
@@ -57,24 +60,24 @@ class OffloadedOptimizerState {
                           std::vector<c10::ScalarType> param_dtypes, int64_t rank = 0,
                           const AioOptions& aio = AioOptions(), int64_t nvme_states = 0);
 
-  // Allocates group `group`'s state: the master from `master` (1D fp32, the
-  // whole shard, any device) and `state_count` zeroed moments
-  // (optimizer_state_count). Calling it again adds moments that are missing
-  // (amsgrad turned on) and keeps the rest.
+  // Allocates group `group`'s master from `master` (1D fp32, the whole
+  // shard, any device); ensure_states adds the moments.
   void initialize_group(size_t group, const at::Tensor& master);
   // The same without values: the group's sub-groups hold no state until
   // written, so the master can be written piece by piece (write) and the
   // whole fp32 shard never needs to be in memory at once.
   void prepare_group(size_t group);
-  void ensure_moments(size_t group, int64_t state_count);
 
-  bool has(size_t group, OptimizerStateName name) const;
-  // A copy of [offset, offset + length) of the named state, on `options`'
-  // device.
+  // ShardStorage. Calling ensure_states again adds moments that are missing
+  // (amsgrad turned on) and keeps the rest.
+  void ensure_states(size_t group, const std::vector<OptimizerStateName>& names) override;
+  bool has(size_t group, OptimizerStateName name) const override;
   at::Tensor read(size_t group, OptimizerStateName name, int64_t offset, int64_t length,
-                  const at::TensorOptions& options) const;
-  // Writes `values` at `offset`, allocating the state if it was missing.
-  void write(size_t group, OptimizerStateName name, int64_t offset, const at::Tensor& values);
+                  const at::TensorOptions& options) const override;
+  void write(size_t group, OptimizerStateName name, int64_t offset,
+             const at::Tensor& values) override;
+  int64_t bytes(StateTier tier) const override;
+  c10::Device home_device() const override { return c10::Device(c10::kCPU); }
 
   // One contiguous range of a group's shard whose elements share a step count.
   struct UpdateRun {
@@ -89,9 +92,8 @@ class OffloadedOptimizerState {
             const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
             bool fused, const WriteParameters& write_parameters);
 
-  // Bytes held on a tier: state plus staging buffers (kNVMe: the swap file;
-  // its host buffers count as kHost).
-  int64_t bytes(StateTier tier) const;
+  // bytes(tier): state plus staging buffers (kNVMe: the swap file; its host
+  // buffers count as kHost).
   // The NVMe tier's swapper (telemetry), or null.
   const NvmeStateSwapper* nvme() const { return swapper_.get(); }
   // The gradient shards of groups StatePlacement::swaps_gradients, or null:

@@ -165,10 +165,22 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
                            std::vector<std::vector<bool>> sharded,
                            std::vector<std::vector<TensorParallelSplit>> splits = {});
+  // Which of the two the model-parallel group is (set_tensor_parallel or
+  // set_expert_parallel); kNone before either.
+  enum class ModelParallel { kNone, kTensor, kExpert };
+  ModelParallel model_parallel() const;
   // This rank's number in checkpoints: among the ranks that write one (the
   // first replica's shard group times the tensor-parallel group) it names
   // the data file; the other replicas' ranks follow. Names RNG files.
   int64_t checkpoint_rank() const;
+  // Expert parallelism: this optimizer's parameters are this rank's own
+  // experts, other tensors on every rank of `group` (the expert-parallel
+  // group; the process group above is the experts' data-parallel group).
+  // Their gradient norms add up over `group`, a non-finite gradient on any
+  // rank skips the step on all of them, and checkpoints keep each rank's
+  // experts under their own names. Collective over `group` from then on:
+  // call it on every rank, before the first step.
+  void set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group);
   // A gradient the caller moved into parameter (group, index)'s .grad from
   // where autograd put it, handled as the parameter's own hook would: for a
   // parameter that is not autograd's leaf itself (the Python layer passes a

@@ -1,0 +1,121 @@
+#include "device_shard_storage.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+DeviceShardStorage::DeviceShardStorage(std::vector<GroupBuffers>& buffers,
+                                       const PartitionLayout& layout, int64_t rank,
+                                       c10::Device device)
+    : buffers_(buffers), layout_(layout), rank_(rank), device_(device) {}
+
+at::Tensor DeviceShardStorage::master_view(size_t g, const Bucket& bucket) const {
+  const GroupBuffers& group = buffers_[g];
+  const at::Tensor& master = group.state(OptimizerStateName::kMaster);
+  if (master.defined()) {
+    return master.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  if (group.param_shard.defined()) {  // stage 3, fp32
+    return group.param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
+  }
+  return group.flat_param.narrow(0, layout_.group(g).rank_slice_offset(bucket, rank_),
+                                 bucket.shard_numel);
+}
+
+void DeviceShardStorage::ensure_states(size_t g, const std::vector<OptimizerStateName>& names) {
+  GroupBuffers& group = buffers_[g];
+  const int64_t numel = layout_.group(g).shard_numel();
+  for (OptimizerStateName name : names) {
+    at::Tensor& state = group.state(name);
+    if (!state.defined()) {
+      state = at::zeros({numel}, group.param_options.dtype(at::kFloat));
+    }
+  }
+}
+
+bool DeviceShardStorage::has(size_t g, OptimizerStateName name) const {
+  // The master always exists: a tensor of its own or the parameters' values.
+  return name == OptimizerStateName::kMaster || buffers_[g].state(name).defined();
+}
+
+at::Tensor DeviceShardStorage::read(size_t g, OptimizerStateName name, int64_t offset,
+                                    int64_t length, const at::TensorOptions& options) const {
+  at::Tensor out = at::empty({length}, options.dtype(at::kFloat));
+  if (name != OptimizerStateName::kMaster) {
+    TORCH_CHECK(has(g, name), "group ", g, " holds no ", optimizer_state_name(name));
+    return out.copy_(buffers_[g].state(name).narrow(0, offset, length));
+  }
+  // The master of an fp32 model lies in the buckets' slices of the
+  // parameters: copy the range bucket by bucket.
+  for (const auto& bucket : layout_.group(g).buckets()) {
+    const int64_t begin = std::max(offset, bucket.shard_offset);
+    const int64_t end = std::min(offset + length, bucket.shard_offset + bucket.shard_numel);
+    if (begin < end) {
+      out.narrow(0, begin - offset, end - begin)
+          .copy_(master_view(g, bucket).narrow(0, begin - bucket.shard_offset, end - begin));
+    }
+  }
+  return out;
+}
+
+at::Tensor DeviceShardStorage::view(size_t g, OptimizerStateName name, int64_t offset,
+                                    int64_t length) const {
+  const at::Tensor& state = buffers_[g].state(name);
+  return name != OptimizerStateName::kMaster && state.defined() ? state.narrow(0, offset, length)
+                                                                : at::Tensor();
+}
+
+void DeviceShardStorage::write(size_t g, OptimizerStateName name, int64_t offset,
+                               const at::Tensor& values) {
+  if (name != OptimizerStateName::kMaster) {
+    at::Tensor& state = buffers_[g].state(name);
+    if (!state.defined()) {
+      state =
+          at::empty({layout_.group(g).shard_numel()}, buffers_[g].param_options.dtype(at::kFloat));
+    }
+    state.narrow(0, offset, values.numel()).copy_(values);
+    return;
+  }
+  for (const auto& bucket : layout_.group(g).buckets()) {
+    const int64_t begin = std::max(offset, bucket.shard_offset);
+    const int64_t end = std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
+    if (begin < end) {
+      master_view(g, bucket)
+          .narrow(0, begin - bucket.shard_offset, end - begin)
+          .copy_(values.narrow(0, begin - offset, end - begin));
+    }
+  }
+}
+
+void DeviceShardStorage::adopt(size_t g, OptimizerStateName name, const at::Tensor& values) {
+  at::Tensor& state = buffers_[g].state(name);
+  if (name == OptimizerStateName::kMaster || state.defined()) {
+    write(g, name, 0, values);
+    return;
+  }
+  // A moment not yet allocated (a load before the first step): no second
+  // shard-sized buffer when the values already are fp32 on this device.
+  state = values.to(buffers_[g].param_options.dtype(at::kFloat));
+}
+
+int64_t DeviceShardStorage::bytes(StateTier tier) const {
+  if (tier != StateTier::kDevice) {
+    return 0;
+  }
+  // Tensors of their own only: an fp32 model's master is its parameters.
+  int64_t bytes = 0;
+  for (const GroupBuffers& group : buffers_) {
+    for (const at::Tensor& state : group.states) {
+      if (state.defined()) {
+        bytes += state.numel() * static_cast<int64_t>(state.element_size());
+      }
+    }
+  }
+  return bytes;
+}
+
+}  // namespace zeroshard

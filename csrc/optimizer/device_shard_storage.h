@@ -1,0 +1,48 @@
+// The training device's tier of ShardStorage: each group's states are
+// tensors of its GroupBuffers. Internal to csrc/optimizer/.
+#pragma once
+
+#include "zeroshard/partition_layout.h"
+#include "zeroshard/shard_storage.h"
+
+#include "group_buffers.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace zeroshard {
+
+class DeviceShardStorage final : public ShardStorage {
+ public:
+  // `buffers` and `layout` are the optimizer's and outlive this.
+  DeviceShardStorage(std::vector<GroupBuffers>& buffers, const PartitionLayout& layout,
+                     int64_t rank, c10::Device device);
+
+  // This rank's fp32 master values of one bucket, as a view updated in place
+  // (the update writes through it): the group's master tensor, or with fp32
+  // parameters their own values ([Note: fp32 master] in
+  // zero_optimizer_master.cpp).
+  at::Tensor master_view(size_t group, const Bucket& bucket) const;
+
+  void ensure_states(size_t group, const std::vector<OptimizerStateName>& names) override;
+  bool has(size_t group, OptimizerStateName name) const override;
+  at::Tensor read(size_t group, OptimizerStateName name, int64_t offset, int64_t length,
+                  const at::TensorOptions& options) const override;
+  at::Tensor view(size_t group, OptimizerStateName name, int64_t offset,
+                  int64_t length) const override;
+  void write(size_t group, OptimizerStateName name, int64_t offset,
+             const at::Tensor& values) override;
+  void adopt(size_t group, OptimizerStateName name, const at::Tensor& values) override;
+  int64_t bytes(StateTier tier) const override;
+  c10::Device home_device() const override { return device_; }
+
+ private:
+  std::vector<GroupBuffers>& buffers_;
+  const PartitionLayout& layout_;
+  int64_t rank_;
+  c10::Device device_;
+};
+
+}  // namespace zeroshard
