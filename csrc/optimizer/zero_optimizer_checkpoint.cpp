@@ -275,22 +275,11 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   json own_params =
       tensor_parallel_comm_ ? checkpoint_index_skeleton(options).at("params") : json();
   const std::string key = commit.second;
-  auto pending = std::make_unique<PendingCheckpoint>();
-  pending->path = path;
-  PendingCheckpoint* state = pending.get();
-  // Its own connection: a store client serializes its calls, and the writer's
-  // long waits must not hold up the failure reports or torch's own use of it.
-  c10::intrusive_ptr<c10d::Store> store = commit.first;
-  if (store) {
-    try {
-      store = store->clone();
-    } catch (const std::exception&) {  // a store that cannot be cloned: share it
-    }
-  }
-  pending->writer =
-      std::thread([state, store, key, rank, world, staging, path, options,
-                   pieces = std::move(pieces), offsets = std::move(offsets), copy = std::move(copy),
-                   skeleton = std::move(skeleton), own_params = std::move(own_params)]() mutable {
+  c10::intrusive_ptr<c10d::Store> store = BackgroundSave::own_connection(commit.first);
+  pending_checkpoint_ = std::make_unique<BackgroundSave>(
+      path, [store, key, rank, world, staging, path, options, pieces = std::move(pieces),
+             offsets = std::move(offsets), copy = std::move(copy), skeleton = std::move(skeleton),
+             own_params = std::move(own_params)]() mutable {
         std::string local_error;
         json manifest;
         try {
@@ -306,11 +295,10 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
           local_error = message_of(e);
         }
         copy = at::Tensor();  // the data is on disk: give the memory back now
-        state->error = checkpoint_detail::commit_through_store(
-            store.get(), key, rank, world, local_error, manifest, std::move(skeleton), staging,
-            path, options);
+        return checkpoint_detail::commit_through_store(store.get(), key, rank, world, local_error,
+                                                       manifest, std::move(skeleton), staging, path,
+                                                       options);
       });
-  pending_checkpoint_ = std::move(pending);
 }
 
 bool ZeroOptimizer::Impl::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
@@ -349,13 +337,8 @@ std::string ZeroOptimizer::Impl::finish_pending_checkpoint() {
   if (!pending_checkpoint_) {
     return "";
   }
-  std::unique_ptr<PendingCheckpoint> pending = std::move(pending_checkpoint_);
-  pending->writer.join();
-  if (pending->error.empty()) {
-    return "";
-  }
-  return "the asynchronous save of checkpoint " + pending->path + " failed " + pending->error +
-         "; unless it was committed, the previous checkpoint and `latest` are unchanged";
+  std::unique_ptr<BackgroundSave> pending = std::move(pending_checkpoint_);
+  return pending->finish();
 }
 
 void ZeroOptimizer::Impl::wait_for_checkpoint() {

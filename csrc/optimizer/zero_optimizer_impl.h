@@ -5,6 +5,7 @@
 // of it (docs/design.md's file table says which).
 #pragma once
 
+#include "background_save.h"
 #include "device_shard_storage.h"
 #include "group_buffers.h"
 #include "zeroshard/checkpoint.h"
@@ -350,14 +351,9 @@ class ZeroOptimizer::Impl {
   std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
   // Per group and parameter: its names (see set_parameter_names); may be empty.
   std::vector<std::vector<std::vector<std::string>>> param_names_;
-  struct PendingCheckpoint {
-    std::string path;
-    std::thread writer;
-    std::string error;  // set by the writer: "" on success
-  };
-  std::unique_ptr<PendingCheckpoint> pending_checkpoint_;  // an asynchronous save in flight
-  int64_t saves_started_ = 0;                              // names its store keys
-  c10::intrusive_ptr<c10d::Store> checkpoint_store_;       // set_checkpoint_store
+  std::unique_ptr<BackgroundSave> pending_checkpoint_;  // an asynchronous save in flight
+  int64_t saves_started_ = 0;                           // names its store keys
+  c10::intrusive_ptr<c10d::Store> checkpoint_store_;    // set_checkpoint_store
   std::string checkpoint_store_prefix_;
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);

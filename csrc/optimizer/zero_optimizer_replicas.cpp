@@ -168,18 +168,12 @@ void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
   }
   TORCH_CHECK_VALUE(agreed.empty(), "could not save checkpoint ", path, " (replicas ", agreed, ")");
   if (!writer && options.async_save()) {
-    auto pending = std::make_unique<PendingCheckpoint>();
-    pending->path = checkpoint_path(path, "");
-    PendingCheckpoint* state = pending.get();
-    c10::intrusive_ptr<c10d::Store> store = commit.first;
-    try {
-      store = store->clone();  // the wait must not hold up other users of the store
-    } catch (const std::exception&) {
-    }
-    pending->writer = std::thread([state, store, key = commit.second]() {
-      state->error = checkpoint_detail::await_commit_outcome(store.get(), key);
-    });
-    pending_checkpoint_ = std::move(pending);
+    // This replica writes nothing: its save is the wait for the writers'.
+    pending_checkpoint_ = std::make_unique<BackgroundSave>(
+        checkpoint_path(path, ""),
+        [store = BackgroundSave::own_connection(commit.first), key = commit.second]() {
+          return checkpoint_detail::await_commit_outcome(store.get(), key);
+        });
   }
 }
 
