@@ -119,7 +119,7 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
       {"format_version", kCheckpointFormatVersion},
       {"zeroshard_version", "0.1.0"},
       {"world_size", checkpoint_writer_count()},
-      {"tensor_parallel_size", tensor_parallel_comm_ ? tensor_parallel_comm_->world_size() : 1},
+      {"tensor_parallel_size", model_parallel_comm_ ? model_parallel_comm_->world_size() : 1},
       {"stage", options_.stage()},
       {"inner_optimizer", inner_optimizer_name(inner_kind_)},
       {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
@@ -233,7 +233,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
     try {
       manifest = checkpoint_detail::write_rank_file(staging, rank, world, pieces, read_source,
                                                     options.rank_files());
-      if (tensor_parallel_comm_) {
+      if (model_parallel_comm_) {
         // Expert-parallel ranks hold other experts: each lists its own
         // parameters, and the index is their union.
         manifest["params"] = checkpoint_index_skeleton(options).at("params");
@@ -272,8 +272,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   json skeleton = rank == 0 ? checkpoint_index_skeleton(options) : json();
   // Expert-parallel ranks hold other experts: each lists its own parameters
   // (as the synchronous save does), and the index is their union.
-  json own_params =
-      tensor_parallel_comm_ ? checkpoint_index_skeleton(options).at("params") : json();
+  json own_params = model_parallel_comm_ ? checkpoint_index_skeleton(options).at("params") : json();
   const std::string key = commit.second;
   c10::intrusive_ptr<c10d::Store> store = BackgroundSave::own_connection(commit.first);
   pending_checkpoint_ = std::make_unique<BackgroundSave>(
@@ -314,15 +313,15 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::Impl::nex
   const std::string count = std::to_string(saves_started_++);
   // Only where the shard group's store does not reach every rank: a plain
   // data-parallel save keeps its own group's keys.
-  if (checkpoint_store_ && (tensor_parallel_comm_ || replica_comm_)) {
+  if (checkpoint_store_ && (model_parallel_comm_ || replica_comm_)) {
     // The prefix counts this process's optimizers; the path tells apart
     // those of other processes counted alike (each pipeline stage's).
     return {checkpoint_store_, checkpoint_store_prefix_ + "/" + path + "/save" + count};
   }
   // A shard group's store reaches only its own ranks.
   TORCH_CHECK_VALUE(
-      !tensor_parallel_comm_ && !replica_comm_, "async_save with ",
-      tensor_parallel_comm_ ? "tensor- or expert-parallel parameters" : "hybrid sharding",
+      !model_parallel_comm_ && !replica_comm_, "async_save with ",
+      model_parallel_comm_ ? "tensor- or expert-parallel parameters" : "hybrid sharding",
       " needs a c10d store that every rank of the checkpoint reaches, to agree on "
       "the commit off the collective stream: call set_checkpoint_store(store, "
       "prefix) first, e.g. with the default group's store (the Python layer does)");

@@ -254,7 +254,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     for (const auto& param : index.at("params")) {
       // Under tensor/expert parallelism another rank may hold it (its
       // experts): checked over every rank once all have read the index.
-      if (!used.count(&param) && !tensor_parallel_comm_) {
+      if (!used.count(&param) && !model_parallel_comm_) {
         ++mismatch_count;
         if (mismatches.size() < 5) {
           mismatches.push_back("saved '" + param.at("name").get<std::string>() + "' " +
@@ -286,7 +286,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       for (const auto& name : groups[g].at("params")) {
         saved_names[name.get<std::string>()] = true;
       }
-      same_grouping = tensor_parallel_comm_
+      same_grouping = model_parallel_comm_
                           ? saved_names.size() >= param_groups_[g].params().size()
                           : groups[g].at("params").size() == param_groups_[g].params().size();
       for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
@@ -367,7 +367,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       "the ranks read different index.json files for checkpoint ", path,
       " (it must be on a file system every rank sees alike); nothing was loaded");
 
-  if (tensor_parallel_comm_ && with_state) {
+  if (model_parallel_comm_ && with_state) {
     // Under expert parallelism each rank matched its own experts against the
     // saved groups. Ranks that decided differently would take the
     // hyper-parameters (and which states exist) from different places.
@@ -380,7 +380,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
         " ranks only (a group's parameters on one rank are in another saved group); group the "
         "parameters on every rank as they were grouped when saved; nothing was loaded");
   }
-  if (tensor_parallel_comm_) {
+  if (model_parallel_comm_) {
     // Every saved parameter must be held by some rank (the check the
     // matching above leaves to here): the same verdict on every rank, as
     // every rank read the same index.

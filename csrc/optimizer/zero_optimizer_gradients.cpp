@@ -304,7 +304,7 @@ at::Tensor ZeroOptimizer::Impl::gradient_norm() {
   at::Tensor squares = at::zeros({2}, fp32_options());
   for (size_t g = 0; g < buffers_.size(); ++g) {
     const GroupBuffers& shard = buffers_[g];
-    if (!tensor_parallel_comm_) {
+    if (!model_parallel_comm_) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
         squares[1].add_(chunk.to(at::kFloat).pow(2).sum());
       });
@@ -341,7 +341,7 @@ void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
 
 std::vector<Communicator*> ZeroOptimizer::Impl::communicators() const {
   std::vector<Communicator*> all;
-  for (Communicator* comm : {comm_.get(), replica_comm_.get(), tensor_parallel_comm_.get()}) {
+  for (Communicator* comm : {comm_.get(), replica_comm_.get(), model_parallel_comm_.get()}) {
     if (comm) {
       all.push_back(comm);
     }

@@ -151,7 +151,7 @@ class ZeroOptimizer::Impl {
   std::string agreed_error(const std::string& local_error, const std::string& tag);
   // The groups those agreements span (absent ones null).
   std::vector<AgreementGroup> agreement_scope() const;
-  // The shard, replica and tensor-parallel communicators this optimizer has.
+  // The shard, replica and model-parallel communicators this optimizer has.
   std::vector<Communicator*> communicators() const;
   // A group added after construction (C++ add_param_group is not virtual)
   // has no place in the partition layout: an error, before any collective.
@@ -306,10 +306,15 @@ class ZeroOptimizer::Impl {
   std::vector<torch::optim::OptimizerParamGroup>& param_groups_;
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
+  // The process groups this optimizer talks over, each named for what it
+  // is; communicators() lists those present, agreement_scope() with their
+  // tag prefixes. The shard group: ZeRO's data-parallel group.
   std::unique_ptr<Communicator> comm_;
-  std::unique_ptr<Communicator> replica_comm_;  // hybrid sharding only
-  // The model-parallel group (tensor- or expert-parallel: model_parallel_).
-  std::unique_ptr<Communicator> tensor_parallel_comm_;
+  // Hybrid sharding's replicate group (ranks holding the same shard).
+  std::unique_ptr<Communicator> replica_comm_;
+  // The model-parallel group: tensor-parallel (pieces of split tensors and
+  // copies) or expert-parallel (other experts), as model_parallel_ says.
+  std::unique_ptr<Communicator> model_parallel_comm_;
   ModelParallel model_parallel_ = ModelParallel::kNone;
   std::vector<std::vector<bool>> tensor_parallel_sharded_;                // per group and parameter
   std::vector<std::vector<TensorParallelSplit>> tensor_parallel_splits_;  // empty: not given

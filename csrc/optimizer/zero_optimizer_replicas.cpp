@@ -30,7 +30,7 @@ std::vector<AgreementGroup> ZeroOptimizer::Impl::agreement_scope() const {
   // timeout.
   return {{comm_.get(), ""},
           {replica_comm_.get(), "replicas/"},
-          {tensor_parallel_comm_.get(), model_parallel_tag()}};
+          {model_parallel_comm_.get(), model_parallel_tag()}};
 }
 
 std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error,

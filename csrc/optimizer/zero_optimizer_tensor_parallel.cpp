@@ -54,7 +54,7 @@ void ZeroOptimizer::Impl::set_tensor_parallel(
   }
   tensor_parallel_sharded_ = std::move(sharded);
   tensor_parallel_splits_ = std::move(splits);
-  tensor_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
+  model_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
   model_parallel_ = ModelParallel::kTensor;
 }
 
@@ -88,17 +88,17 @@ void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
 }
 
 at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor squares) {
-  if (tensor_parallel_comm_) {
+  if (model_parallel_comm_) {
     at::Tensor pieces = squares.narrow(0, 0, 1).clone();
-    tensor_parallel_comm_->all_reduce_sum(pieces, std::string(model_parallel_tag()) + "grad_norm");
+    model_parallel_comm_->all_reduce_sum(pieces, std::string(model_parallel_tag()) + "grad_norm");
     squares.narrow(0, 0, 1).copy_(pieces);
   }
   return squares.sum();
 }
 
 void ZeroOptimizer::Impl::max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag) {
-  if (tensor_parallel_comm_) {
-    tensor_parallel_comm_->all_reduce_max(tensor, model_parallel_tag() + tag);
+  if (model_parallel_comm_) {
+    model_parallel_comm_->all_reduce_max(tensor, model_parallel_tag() + tag);
   }
 }
 
@@ -109,13 +109,13 @@ void ZeroOptimizer::Impl::max_across_tensor_parallel(at::Tensor& tensor, const s
 int64_t ZeroOptimizer::Impl::checkpoint_rank() const {
   // Replica 0's ranks are the writers, numbered 0 .. writers - 1; the other
   // replicas' ranks follow (they name RNG files, never data files).
-  const int64_t tp_rank = tensor_parallel_comm_ ? tensor_parallel_comm_->rank() : 0;
+  const int64_t tp_rank = model_parallel_comm_ ? model_parallel_comm_->rank() : 0;
   const int64_t replica = replica_comm_ ? replica_comm_->rank() : 0;
   return replica * checkpoint_writer_count() + tp_rank * comm_->world_size() + comm_->rank();
 }
 
 int64_t ZeroOptimizer::Impl::checkpoint_writer_count() const {
-  return comm_->world_size() * (tensor_parallel_comm_ ? tensor_parallel_comm_->world_size() : 1);
+  return comm_->world_size() * (model_parallel_comm_ ? model_parallel_comm_->world_size() : 1);
 }
 
 TensorParallelSplit ZeroOptimizer::Impl::tensor_parallel_split(size_t g, size_t i) const {
@@ -130,19 +130,19 @@ TensorParallelSplit ZeroOptimizer::Impl::tensor_parallel_split(size_t g, size_t 
 }
 
 bool ZeroOptimizer::Impl::writes_checkpoint_piece(size_t g, size_t i) const {
-  return !tensor_parallel_comm_ || tensor_parallel_comm_->rank() == 0 ||
+  return !model_parallel_comm_ || model_parallel_comm_->rank() == 0 ||
          (!tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i]);
 }
 
 std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(
     const std::string& mine, const std::string& tag) {
   std::vector<std::string> shard_group = all_gather_strings(*comm_, mine, device(), tag);
-  if (!tensor_parallel_comm_) {
+  if (!model_parallel_comm_) {
     return shard_group;
   }
   std::vector<std::string> all;
   for (const std::string& each :
-       all_gather_strings(*tensor_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
+       all_gather_strings(*model_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
                           model_parallel_tag() + tag)) {
     for (auto& one : nlohmann::json::parse(each)) {
       all.push_back(one.get<std::string>());
@@ -153,7 +153,7 @@ std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(
 
 void ZeroOptimizer::Impl::agree_on_checkpoint_errors(const std::string& local_error,
                                                      const std::string& what) {
-  if (!tensor_parallel_comm_) {
+  if (!model_parallel_comm_) {
     checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());
     return;
   }
