@@ -35,8 +35,9 @@ struct GroupBuffers {
   // are fp32 (their master values are this rank's slices of flat_param or
   // param_shard: [Note: fp32 master] in zero_optimizer_master.cpp), a moment
   // where the inner optimizer keeps none (inner_optimizer_states), and all of
-  // them with offload_optimizer (OffloadedOptimizerState holds them). Read
-  // and written through ShardStorage (shard_storage.h), not directly.
+  // them with offload_optimizer (OffloadedOptimizerState holds them).
+  // Construction, the device update and stage 3's gather read them here;
+  // everything else goes through ShardStorage (shard_storage.h).
   std::array<at::Tensor, kAllOptimizerStates.size()> states;
   std::vector<int64_t> steps;          // per parameter: updates applied so far
   std::vector<ShardSegment> segments;  // what this rank owns

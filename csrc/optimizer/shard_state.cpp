@@ -106,8 +106,9 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
 
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < buffers_.size(); ++g) {
-    set_master_shard(g, by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
-                            .to(fp32_options()));
+    write_master(g, 0,
+                 by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
+                     .to(fp32_options()));
     for (OptimizerStateName name : kAllOptimizerStates) {
       auto it = by_key.find(group_key(g, optimizer_state_name(name)));
       if (name != OptimizerStateName::kMaster && it != by_key.end()) {

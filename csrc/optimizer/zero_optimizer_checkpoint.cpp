@@ -97,10 +97,6 @@ std::vector<std::string> ZeroOptimizer::Impl::parameter_aliases(size_t group, si
   return {};
 }
 
-bool ZeroOptimizer::Impl::has_state(size_t g, OptimizerStateName name) const {
-  return storage().has(g, name);
-}
-
 at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, int64_t offset,
                                            int64_t length) const {
   if (name == OptimizerStateName::kMaster) {
@@ -203,7 +199,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
                                                             param_groups_[g].params()[i].sizes(),
                                                             segment.param_offset, segment.numel);
           for (OptimizerStateName state : kAllOptimizerStates) {
-            if (!has_state(g, state)) {
+            if (!storage().has(g, state)) {
               continue;
             }
             int64_t offset = segment.shard_offset;

@@ -352,8 +352,8 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   if (replica_comm_) {
     // Replicas load the same files; an error on any rank of any replica
     // stops every replica before anything changes.
-    const std::string agreed = combined_error(
-        all_gather_strings(*replica_comm_, error, device(), "replicas/checkpoint_load"));
+    const std::string agreed =
+        agree_on_error({{replica_comm_.get(), "replicas/"}}, error, device(), "checkpoint_load");
     if (error.empty() && !agreed.empty()) {
       error = "another replica could not read it " + agreed;
     }

@@ -341,9 +341,9 @@ void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
 
 std::vector<Communicator*> ZeroOptimizer::Impl::communicators() const {
   std::vector<Communicator*> all;
-  for (Communicator* comm : {comm_.get(), replica_comm_.get(), model_parallel_comm_.get()}) {
-    if (comm) {
-      all.push_back(comm);
+  for (const AgreementGroup& group : agreement_scope()) {
+    if (group.comm != nullptr) {
+      all.push_back(group.comm);
     }
   }
   return all;

@@ -151,7 +151,7 @@ class ZeroOptimizer::Impl {
   std::string agreed_error(const std::string& local_error, const std::string& tag);
   // The groups those agreements span (absent ones null).
   std::vector<AgreementGroup> agreement_scope() const;
-  // The shard, replica and model-parallel communicators this optimizer has.
+  // The communicators of agreement_scope() that this optimizer has.
   std::vector<Communicator*> communicators() const;
   // A group added after construction (C++ add_param_group is not virtual)
   // has no place in the partition layout: an error, before any collective.
@@ -187,7 +187,6 @@ class ZeroOptimizer::Impl {
   at::Tensor master_slice(size_t group, const Bucket& bucket);
   // The whole master shard as one contiguous tensor (a copy for fp32 params).
   at::Tensor master_shard(size_t group) const;
-  void set_master_shard(size_t group, const at::Tensor& values);
   // Master values of [offset, offset + length) of a group's shard, as an fp32
   // copy on the device; and the write into them. Every stage and placement.
   at::Tensor read_master(size_t group, int64_t offset, int64_t length) const;
@@ -208,8 +207,6 @@ class ZeroOptimizer::Impl {
   // load), before they are gathered.
   void refresh_parameters_from_master();
   at::TensorOptions fp32_options() const;
-  // Checkpoints: whether group `g` holds `name` now, and a range of it (fp32).
-  bool has_state(size_t g, OptimizerStateName name) const;
   nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
   // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
   // where parameter (g, i) sits in its unsplit tensor; whether this rank
@@ -230,6 +227,8 @@ class ZeroOptimizer::Impl {
   // where no store reaches them all.
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> next_checkpoint_commit(
       const std::string& path);
+  // Checkpoints: a range of group g's state `name` in fp32 (a device moment in
+  // place, anything else copied to the host).
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
   // One all-reduce: 1 where any rank had a gradient for the parameter; with
   // skip_nonfinite_steps, *overflow says whether any rank's gradients hold

@@ -34,10 +34,6 @@ at::Tensor ZeroOptimizer::Impl::master_shard(size_t g) const {
   return read_master(g, 0, layout_->group(g).shard_numel());
 }
 
-void ZeroOptimizer::Impl::set_master_shard(size_t g, const at::Tensor& values) {
-  write_master(g, 0, values);
-}
-
 at::Tensor ZeroOptimizer::Impl::read_master(size_t g, int64_t offset, int64_t length) const {
   return storage().read(g, OptimizerStateName::kMaster, offset, length, fp32_options());
 }

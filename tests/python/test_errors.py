@@ -217,6 +217,14 @@ def test_bad_input_raises_a_clear_error_on_every_rank(outcomes, name: str) -> No
         assert words in message, (rank, message)
 
 
+def test_a_rank_that_did_not_fail_names_the_one_that_did(outcomes) -> None:
+    # Construction agrees on every rank's message (error_agreement.h): rank 0,
+    # whose arguments were fine, is told which rank failed and why.
+    _, message = outcomes[0]["bad_dtype_on_one_rank"]
+    assert "rank 1: " in message, message
+    assert "all parameters of a group must share one dtype" in message, message
+
+
 def test_group_is_usable_after_every_error(outcomes) -> None:
     assert all(result["group_still_works"][0] == "ok" for result in outcomes)
 
