@@ -8,6 +8,8 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -57,6 +59,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
+
+
+def _unknown_keywords_message(unknown: list[str], kind: str) -> str:
+    """What a misspelled keyword gets: the closest ZeRO option or hyper-parameter
+    and both lists (a misspelled ZeRO option would otherwise read as an unknown
+    hyper-parameter of the inner optimizer)."""
+    zero_options = sorted(
+        name
+        for name, parameter in inspect.signature(ZeroOptimizer.__init__).parameters.items()
+        if name not in ("self", "params") and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    )
+    hyperparameters = sorted(_DEFAULTS[kind])
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, zero_options + hyperparameters, n=1)
+        if close:
+            hints.append(f"{name!r}: did you mean {close[0]!r}?")
+    return (
+        f"unexpected keyword argument(s) {unknown} for ZeroOptimizer with optimizer {kind!r}"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + f"; the optimizer's hyper-parameters are {hyperparameters}"
+        + f"; ZeroOptimizer's own options are {zero_options}"
+    )
 
 
 def _canonical_optimizer(name: str) -> str:
@@ -282,10 +307,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         kind = _canonical_optimizer(optimizer)
         unknown = set(optimizer_kwargs) - set(_DEFAULTS[kind])
         if unknown:
-            raise TypeError(
-                f"unexpected keyword argument(s) {sorted(unknown)} for optimizer {kind!r}; "
-                f"it accepts {sorted(_DEFAULTS[kind])}"
-            )
+            raise TypeError(_unknown_keywords_message(sorted(unknown), kind))
         defaults = dict(_DEFAULTS[kind], **optimizer_kwargs)
         self._impl: Any = None
         super().__init__(params, defaults)

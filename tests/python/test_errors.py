@@ -83,6 +83,10 @@ def _unknown_hyperparameter() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], optimizer="sgd", betas=(0.9, 0.9))
 
 
+def _misspelled_zero_option() -> None:
+    zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], overlap_com=False)
+
+
 def _negative_learning_rate() -> None:
     zeroshard.ZeroOptimizer([nn.Parameter(torch.ones(3))], lr=-1e-3)
 
@@ -150,6 +154,14 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str, str | dict[int, str]]] = {
     ),
     "unknown_optimizer": (_unknown_optimizer, "ValueError", "unknown optimizer 'adamax'"),
     "unknown_hyperparameter": (_unknown_hyperparameter, "TypeError", "['betas']"),
+    # A ZeRO option spelled wrong lands among the inner optimizer's keywords:
+    # the message points at the option, not only at Adam's hyper-parameters.
+    "misspelled_zero_option": (
+        _misspelled_zero_option,
+        "TypeError",
+        "['overlap_com'] for ZeroOptimizer with optimizer 'adamw' ('overlap_com': did you "
+        "mean 'overlap_comm'?)",
+    ),
     "negative_lr": (_negative_learning_rate, "ValueError", "Invalid learning rate: -0.001"),
     "negative_lr_set_later": (
         _negative_learning_rate_set_later,
