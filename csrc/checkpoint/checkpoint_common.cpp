@@ -280,10 +280,4 @@ std::string commit_through_store(c10d::Store* store, const std::string& key, int
   }
 }
 
-void agree_on_errors(Communicator& comm, const std::string& local_error, const std::string& what,
-                     c10::Device device) {
-  const std::string error = agree_on_error({{&comm, ""}}, local_error, device, "checkpoint_errors");
-  TORCH_CHECK_VALUE(error.empty(), "could not ", what, " ", error);
-}
-
 }  // namespace zeroshard::checkpoint_detail

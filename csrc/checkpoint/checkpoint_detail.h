@@ -57,10 +57,6 @@ void merge_manifests(nlohmann::json& index, const std::vector<std::string>& mani
 void publish(const nlohmann::json& index, const std::string& staging, const std::string& path,
              const CheckpointSaveOptions& options);
 
-// Every rank learns every rank's error and raises the same message, naming
-// the ranks that failed and what they saw.
-void agree_on_errors(Communicator& comm, const std::string& local_error, const std::string& what,
-                     c10::Device device);
 // The asynchronous save's agreement, through the c10d store instead of
 // collectives (it runs on a background thread while training issues
 // collectives): each rank posts its manifest or error under `key`; rank 0

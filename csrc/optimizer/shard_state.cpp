@@ -26,8 +26,8 @@ std::string group_key(size_t g, const char* name) {
 ShardState ZeroOptimizer::Impl::shard_state() const {
   ShardState state;
   state.emplace_back("meta_format_version", scalar_tensor(kFormatVersion));
-  state.emplace_back("meta_world_size", scalar_tensor(comm_->world_size()));
-  state.emplace_back("meta_rank", scalar_tensor(comm_->rank()));
+  state.emplace_back("meta_world_size", scalar_tensor(groups_->shard().world_size()));
+  state.emplace_back("meta_rank", scalar_tensor(groups_->shard().rank()));
   state.emplace_back("meta_stage", scalar_tensor(options_.stage()));
   state.emplace_back("meta_inner_optimizer", scalar_tensor(static_cast<int64_t>(inner_kind_)));
   state.emplace_back("meta_layout_fingerprint", scalar_tensor(layout_->fingerprint()));
@@ -65,13 +65,14 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
                       "zeroshard optimizer state has format version ", meta("meta_format_version"),
                       "; this build reads version ", kFormatVersion);
     const int64_t saved_world = meta("meta_world_size");
-    TORCH_CHECK_VALUE(saved_world == comm_->world_size(),
+    TORCH_CHECK_VALUE(saved_world == groups_->shard().world_size(),
                       "this optimizer state was saved by a run with world size ", saved_world,
-                      " but this run has world size ", comm_->world_size(),
+                      " but this run has world size ", groups_->shard().world_size(),
                       "; zeroshard resumes only at the world size it saved "
                       "(resharding a checkpoint to another world size is not supported yet)");
-    TORCH_CHECK_VALUE(meta("meta_rank") == comm_->rank(), "this optimizer state belongs to rank ",
-                      meta("meta_rank"), " but was loaded on rank ", comm_->rank(),
+    TORCH_CHECK_VALUE(meta("meta_rank") == groups_->shard().rank(),
+                      "this optimizer state belongs to rank ", meta("meta_rank"),
+                      " but was loaded on rank ", groups_->shard().rank(),
                       "; each rank must load the state it saved");
     TORCH_CHECK_VALUE(meta("meta_stage") == options_.stage(),
                       "this optimizer state was saved at ZeRO stage ", meta("meta_stage"),
@@ -101,7 +102,7 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
   }
-  raise_if_any_rank_failed(
+  groups_->raise_if_any_failed(
       error, "load its zeroshard optimizer state; nothing was loaded on any rank", "shard_state");
 
   at::NoGradGuard no_grad;

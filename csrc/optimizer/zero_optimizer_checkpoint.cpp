@@ -13,7 +13,6 @@
 #include <c10/util/Exception.h>
 
 #include <array>
-#include <cstdio>
 #include <filesystem>
 #include <thread>
 
@@ -110,22 +109,22 @@ at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, in
 }
 
 json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions& options) const {
-  json index = {
-      {"format", "zeroshard-checkpoint"},
-      {"format_version", kCheckpointFormatVersion},
-      {"zeroshard_version", "0.1.0"},
-      {"world_size", checkpoint_writer_count()},
-      {"tensor_parallel_size", model_parallel_comm_ ? model_parallel_comm_->world_size() : 1},
-      {"stage", options_.stage()},
-      {"inner_optimizer", inner_optimizer_name(inner_kind_)},
-      {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
-      {"reduce_bucket_size", options_.reduce_bucket_size()},
-      {"files", json::array()},
-      {"groups", json::array()},
-      {"params", json::array()},
-      {"replicated", options.replicated()},
-      {"replicated_files", json::object()},
-      {"rank_files", json::array()}};
+  json index = {{"format", "zeroshard-checkpoint"},
+                {"format_version", kCheckpointFormatVersion},
+                {"zeroshard_version", "0.1.0"},
+                {"world_size", groups_->checkpoint_writer_count()},
+                {"tensor_parallel_size",
+                 groups_->model_parallel() ? groups_->model_parallel()->world_size() : 1},
+                {"stage", options_.stage()},
+                {"inner_optimizer", inner_optimizer_name(inner_kind_)},
+                {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
+                {"reduce_bucket_size", options_.reduce_bucket_size()},
+                {"files", json::array()},
+                {"groups", json::array()},
+                {"params", json::array()},
+                {"replicated", options.replicated()},
+                {"replicated_files", json::object()},
+                {"rank_files", json::array()}};
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     json group = {
         {"hyperparameters", inner_options_to_json(inner_kind_, param_groups_[g].options())},
@@ -151,11 +150,11 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
                                                  const CheckpointSaveOptions& options) {
   // One save at a time: the previous asynchronous one first; its failure is
   // reported through the first agreement, so every rank raises together.
-  std::string error = finish_pending_checkpoint();
+  std::string error = async_saver_.finish();
   const std::string path = checkpoint_path(path_in, "");
   const std::string staging = path + ".tmp";
   const int64_t rank = checkpoint_rank();
-  const int64_t world = checkpoint_writer_count();
+  const int64_t world = groups_->checkpoint_writer_count();
   // The asynchronous commit's store and key, taken on every rank alike
   // (before any collective, so that a refusal is raised by all).
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
@@ -165,7 +164,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
                       "async_save copies the whole optimizer state into host memory, which NVMe "
                       "offload keeps it out of; save with async_save=False (it streams from the "
                       "swap space a piece at a time)");
-    commit = next_checkpoint_commit(path);
+    commit = async_saver_.next_commit(path, *groups_);
   }
   if (rank == 0 && error.empty()) {
     try {
@@ -229,7 +228,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
     try {
       manifest = checkpoint_detail::write_rank_file(staging, rank, world, pieces, read_source,
                                                     options.rank_files());
-      if (model_parallel_comm_) {
+      if (groups_->model_parallel()) {
         // Expert-parallel ranks hold other experts: each lists its own
         // parameters, and the index is their union.
         manifest["params"] = checkpoint_index_skeleton(options).at("params");
@@ -239,7 +238,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
       error = message_of(e);
     }
     agree_on_checkpoint_errors(error, "write checkpoint " + path);
-    const auto manifests = all_gather_checkpoint_strings(manifest.dump(), "checkpoint");
+    const auto manifests = groups_->all_gather_among_writers(manifest.dump(), "checkpoint");
     if (rank == 0) {
       try {
         json index = checkpoint_index_skeleton(options);
@@ -268,10 +267,11 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   json skeleton = rank == 0 ? checkpoint_index_skeleton(options) : json();
   // Expert-parallel ranks hold other experts: each lists its own parameters
   // (as the synchronous save does), and the index is their union.
-  json own_params = model_parallel_comm_ ? checkpoint_index_skeleton(options).at("params") : json();
+  json own_params =
+      groups_->model_parallel() ? checkpoint_index_skeleton(options).at("params") : json();
   const std::string key = commit.second;
   c10::intrusive_ptr<c10d::Store> store = BackgroundSave::own_connection(commit.first);
-  pending_checkpoint_ = std::make_unique<BackgroundSave>(
+  async_saver_.start(
       path, [store, key, rank, world, staging, path, options, pieces = std::move(pieces),
              offsets = std::move(offsets), copy = std::move(copy), skeleton = std::move(skeleton),
              own_params = std::move(own_params)]() mutable {
@@ -296,57 +296,13 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
       });
 }
 
-bool ZeroOptimizer::Impl::checkpoint_in_flight() const { return pending_checkpoint_ != nullptr; }
+bool ZeroOptimizer::Impl::checkpoint_in_flight() const { return async_saver_.in_flight(); }
 
 void ZeroOptimizer::Impl::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
                                                std::string prefix) {
-  checkpoint_store_ = std::move(store);
-  checkpoint_store_prefix_ = std::move(prefix);
+  async_saver_.set_store(std::move(store), std::move(prefix));
 }
 
-std::pair<c10::intrusive_ptr<c10d::Store>, std::string> ZeroOptimizer::Impl::next_checkpoint_commit(
-    const std::string& path) {
-  const std::string count = std::to_string(saves_started_++);
-  // Only where the shard group's store does not reach every rank: a plain
-  // data-parallel save keeps its own group's keys.
-  if (checkpoint_store_ && (model_parallel_comm_ || replica_comm_)) {
-    // The prefix counts this process's optimizers; the path tells apart
-    // those of other processes counted alike (each pipeline stage's).
-    return {checkpoint_store_, checkpoint_store_prefix_ + "/" + path + "/save" + count};
-  }
-  // A shard group's store reaches only its own ranks.
-  TORCH_CHECK_VALUE(
-      !model_parallel_comm_ && !replica_comm_, "async_save with ",
-      model_parallel_comm_ ? "tensor- or expert-parallel parameters" : "hybrid sharding",
-      " needs a c10d store that every rank of the checkpoint reaches, to agree on "
-      "the commit off the collective stream: call set_checkpoint_store(store, "
-      "prefix) first, e.g. with the default group's store (the Python layer does)");
-  TORCH_CHECK_VALUE(checkpoint_writer_count() == 1 || comm_->store(),
-                    "async_save needs the process group's c10d store to agree on the commit "
-                    "off the collective stream: call set_checkpoint_store(store, prefix) or "
-                    "set_failure_store(store, prefix) first (the Python layer does)");
-  return {comm_->store(), comm_->store_prefix() + "/checkpoint" + count};
-}
-
-std::string ZeroOptimizer::Impl::finish_pending_checkpoint() {
-  if (!pending_checkpoint_) {
-    return "";
-  }
-  std::unique_ptr<BackgroundSave> pending = std::move(pending_checkpoint_);
-  return pending->finish();
-}
-
-void ZeroOptimizer::Impl::wait_for_checkpoint() {
-  const std::string error = finish_pending_checkpoint();
-  TORCH_CHECK_VALUE(error.empty(), error);
-}
-
-void ZeroOptimizer::Impl::finish_checkpoint_quietly() noexcept {
-  try {
-    wait_for_checkpoint();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[zeroshard] %s\n", message_of(e).c_str());
-  }
-}
+void ZeroOptimizer::Impl::wait_for_checkpoint() { async_saver_.wait(); }
 
 }  // namespace zeroshard

@@ -100,7 +100,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   check_groups_fixed();
   // An asynchronous save still being written: its failure is reported through
   // the agreement below, so every rank raises together.
-  std::string error = finish_pending_checkpoint();
+  std::string error = async_saver_.finish();
   LoadedCheckpoint result;
   result.path = checkpoint_path(path_in, "");
   const std::string& path = result.path;
@@ -254,7 +254,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     for (const auto& param : index.at("params")) {
       // Under tensor/expert parallelism another rank may hold it (its
       // experts): checked over every rank once all have read the index.
-      if (!used.count(&param) && !model_parallel_comm_) {
+      if (!used.count(&param) && !groups_->model_parallel()) {
         ++mismatch_count;
         if (mismatches.size() < 5) {
           mismatches.push_back("saved '" + param.at("name").get<std::string>() + "' " +
@@ -286,7 +286,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       for (const auto& name : groups[g].at("params")) {
         saved_names[name.get<std::string>()] = true;
       }
-      same_grouping = model_parallel_comm_
+      same_grouping = groups_->model_parallel()
                           ? saved_names.size() >= param_groups_[g].params().size()
                           : groups[g].at("params").size() == param_groups_[g].params().size();
       for (size_t i = 0; same_grouping && i < param_groups_[g].params().size(); ++i) {
@@ -349,30 +349,25 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   } catch (const std::exception& e) {
     error = message_of(e);
   }
-  if (replica_comm_) {
-    // Replicas load the same files; an error on any rank of any replica
-    // stops every replica before anything changes.
-    const std::string agreed =
-        agree_on_error({{replica_comm_.get(), "replicas/"}}, error, device(), "checkpoint_load");
-    if (error.empty() && !agreed.empty()) {
-      error = "another replica could not read it " + agreed;
-    }
-  }
-  agree_on_checkpoint_errors(error, "load checkpoint " + path + "; nothing was loaded on any rank");
+  // Replicas load the same files: an error on any rank of any group stops
+  // every rank before anything changes.
+  const std::string agreed = groups_->agree(error, "checkpoint_errors");
+  TORCH_CHECK_VALUE(agreed.empty(), "could not load checkpoint ", path,
+                    "; nothing was loaded on any rank ", agreed);
   // Every rank must have read the same checkpoint (a file system that is not
   // shared, or caches a replaced `latest`/index, would mix two).
-  const auto crcs = all_gather_checkpoint_strings(index_crc, "checkpoint_index");
+  const auto crcs = groups_->all_gather_among_writers(index_crc, "checkpoint_index");
   TORCH_CHECK_VALUE(
       std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
       "the ranks read different index.json files for checkpoint ", path,
       " (it must be on a file system every rank sees alike); nothing was loaded");
 
-  if (model_parallel_comm_ && with_state) {
+  if (groups_->model_parallel() && with_state) {
     // Under expert parallelism each rank matched its own experts against the
     // saved groups. Ranks that decided differently would take the
     // hyper-parameters (and which states exist) from different places.
     const auto verdicts =
-        all_gather_checkpoint_strings(same_grouping ? "1" : "0", "checkpoint_grouping");
+        groups_->all_gather_among_writers(same_grouping ? "1" : "0", "checkpoint_grouping");
     const auto matching = std::count(verdicts.begin(), verdicts.end(), "1");
     TORCH_CHECK_VALUE(
         matching == 0 || matching == static_cast<int64_t>(verdicts.size()), "checkpoint ", path,
@@ -380,13 +375,13 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
         " ranks only (a group's parameters on one rank are in another saved group); group the "
         "parameters on every rank as they were grouped when saved; nothing was loaded");
   }
-  if (model_parallel_comm_) {
+  if (groups_->model_parallel()) {
     // Every saved parameter must be held by some rank (the check the
     // matching above leaves to here): the same verdict on every rank, as
     // every rank read the same index.
     std::unordered_map<std::string, bool> anywhere;
     for (const std::string& each :
-         all_gather_checkpoint_strings(nlohmann::json(held).dump(), "checkpoint_held")) {
+         groups_->all_gather_among_writers(nlohmann::json(held).dump(), "checkpoint_held")) {
       for (const auto& name : json::parse(each)) {
         anywhere[name.get<std::string>()] = true;
       }
@@ -431,7 +426,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     } catch (const std::exception& e) {
       stream_error = message_of(e);
     }
-    const std::string agreed = agreed_error(stream_error, "checkpoint_stream");
+    const std::string agreed = groups_->agree(stream_error, "checkpoint_stream");
     TORCH_CHECK(agreed.empty(), "could not load checkpoint ", path,
                 " into the NVMe swap space (the optimizer state is partly loaded; load it "
                 "again): ",

@@ -32,8 +32,8 @@ ZeroOptimizer::Impl::Impl(ZeroOptimizer& owner,
 }
 
 ZeroOptimizer::Impl::~Impl() {
-  finish_checkpoint_quietly();  // exit waits for an asynchronous save
-  alive_.reset();               // output hooks still registered on live tensors see it expire
+  async_saver_.finish_quietly();  // exit waits for an asynchronous save
+  alive_.reset();                 // output hooks still registered on live tensors see it expire
   hooks_.reset();
   if (buckets_) {
     try {
@@ -50,22 +50,23 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   TORCH_CHECK_VALUE(!replicate_group || replicate_group.get() != process_group.get(),
                     "replicate_group is the shard group itself; hybrid sharding needs the "
                     "group of ranks holding the same shard in the other shard groups");
-  comm_ = make_communicator(std::move(process_group));
-  if (replicate_group && replicate_group->getSize() > 1) {
-    replica_comm_ = make_communicator(std::move(replicate_group));
-  }
   const auto& first = param_groups_.empty() || param_groups_[0].params().empty()
                           ? at::Tensor()
                           : param_groups_[0].params()[0];
   device_ = !first.defined()  ? c10::Device(c10::kCPU)
             : first.is_meta() ? options_.materialize_device()
                               : first.device();
+  groups_ = std::make_unique<ProcessGroups>(make_communicator(std::move(process_group)),
+                                            replicate_group && replicate_group->getSize() > 1
+                                                ? make_communicator(std::move(replicate_group))
+                                                : nullptr,
+                                            device_);
   std::string error;
   std::vector<std::vector<int64_t>> param_units;
   std::vector<std::string> unit_names;
   std::vector<std::vector<at::Tensor>> unit_params;
   try {
-    validate_zero_options(options_, comm_->world_size());
+    validate_zero_options(options_, groups_->shard().world_size());
     for (auto& group : param_groups_) {
       validate_inner_options(inner_kind_, group.options());
     }
@@ -83,15 +84,15 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
   // Usually every rank passes the same arguments and fails alike; if only some
   // do, the others must not wait for them in the first collective.
-  raise_if_any_rank_failed(error, "construct its ZeroOptimizer", "construction");
-  if (replica_comm_) {
+  groups_->raise_if_any_failed(error, "construct its ZeroOptimizer", "construction");
+  if (groups_->replica()) {
     // Replicas must hold the same shard: the same position in shard groups
     // of one size (a replicate group built from other ranks would sum
     // gradient shards of different elements).
-    const int64_t rank = comm_->rank();
-    const int64_t size = comm_->world_size();
+    const int64_t rank = groups_->shard().rank();
+    const int64_t size = groups_->shard().world_size();
     at::Tensor extremes = at::tensor({rank, -rank, size, -size}, at::kLong).to(device_);
-    replica_comm_->all_reduce_max(extremes, "replicas/position");
+    groups_->replica()->all_reduce_max(extremes, "replicas/position");
     extremes = extremes.cpu();
     const auto* e = extremes.data_ptr<int64_t>();
     std::string mismatch;
@@ -104,7 +105,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
           std::to_string(e[0]) + " and shard group sizes " + std::to_string(-e[3]) + ".." +
           std::to_string(e[2]);
     }
-    raise_if_any_rank_failed(mismatch, "check its replicate group", "replicate_group");
+    groups_->raise_if_any_failed(mismatch, "check its replicate group", "replicate_group");
   }
 
   std::vector<std::vector<int64_t>> numels;
@@ -115,7 +116,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     }
     numels.push_back(std::move(group_numels));
   }
-  layout_ = std::make_unique<PartitionLayout>(numels, comm_->world_size(),
+  layout_ = std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
                                               options_.reduce_bucket_size(), param_units);
   check_layout_agrees_across_ranks();
   std::vector<int64_t> shard_numels;
@@ -130,7 +131,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     param_options.push_back(group.params()[0].options().device(device_).requires_grad(false));
   }
   if (options_.stage() == 3) {
-    comm_->set_order_check_enabled(options_.check_collective_order());
+    groups_->shard().set_order_check_enabled(options_.check_collective_order());
     std::vector<std::vector<BucketId>> unit_buckets;
     for (const auto& params : unit_params) {
       // A unit whose parameters are all persistent gathers nothing (an empty
@@ -138,7 +139,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
       unit_buckets.push_back(params.empty() ? std::vector<BucketId>{} : buckets_of(params));
     }
     gatherer_ = std::make_unique<ParameterGatherer>(
-        *layout_, *comm_, param_options, std::move(unit_names), std::move(unit_buckets),
+        *layout_, groups_->shard(), param_options, std::move(unit_names), std::move(unit_buckets),
         [this](size_t g, size_t b) {
           if (param_swapper_) {
             // An NVMe bucket's buffer is the collective's own (freed with it);
@@ -161,7 +162,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
   buffers_.resize(param_groups_.size());
   device_storage_ =
-      std::make_unique<DeviceShardStorage>(buffers_, *layout_, comm_->rank(), device_);
+      std::make_unique<DeviceShardStorage>(buffers_, *layout_, groups_->shard().rank(), device_);
   parameter_gathers_launched_.assign(param_groups_.size(), 0);
   std::vector<at::TensorOptions> grad_options;
   for (size_t g = 0; g < buffers_.size(); ++g) {
@@ -185,7 +186,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     std::exception_ptr failure;
     try {
       offloaded_ = std::make_unique<OffloadedOptimizerState>(
-          *placement_, inner_kind_, dtypes, comm_->rank(), options_.aio(), nvme_states);
+          *placement_, inner_kind_, dtypes, groups_->shard().rank(), options_.aio(), nvme_states);
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();
       failure = std::current_exception();
@@ -194,7 +195,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
       failure = std::current_exception();
     }
     if (placement_->offload_tier() == StateTier::kNVMe) {
-      const std::string agreed = agreed_error(error, "nvme_setup");
+      const std::string agreed = groups_->agree(error, "nvme_setup");
       TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space: ", agreed);
     } else if (failure) {
       std::rethrow_exception(failure);
@@ -208,13 +209,14 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     std::string error;
     try {
       param_swapper_ = std::make_unique<NvmeParameterSwapper>(
-          *layout_, std::move(dtypes), options_.offload_param(), options_.aio(), comm_->rank());
+          *layout_, std::move(dtypes), options_.offload_param(), options_.aio(),
+          groups_->shard().rank());
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();
     } catch (const std::exception& e) {
       error = e.what();
     }
-    const std::string agreed = agreed_error(error, "nvme_param_setup");
+    const std::string agreed = groups_->agree(error, "nvme_param_setup");
     TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
   }
   build_group_shards();
@@ -223,16 +225,17 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     on_complete = [this](size_t g, size_t b) { gatherer_->bucket_complete(g, b); };
   }
   buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, *comm_, grad_options,
+      *layout_, groups_->shard(), grad_options,
       [this](size_t g) -> at::Tensor& { return buffers_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
-  if (gatherer_ && options_.check_collective_order() && comm_->world_size() > 1) {
+  if (gatherer_ && options_.check_collective_order() && groups_->shard().world_size() > 1) {
     // See [Note: Negotiated collectives].
     buckets_->set_launch_on_agreement(true);
-    gatherer_->negotiate(std::make_unique<CollectiveAgreement>(
-                             *comm_, device_, gatherer_->num_units(), buckets_->num_buckets()),
-                         buckets_.get());
+    gatherer_->negotiate(
+        std::make_unique<CollectiveAgreement>(groups_->shard(), device_, gatherer_->num_units(),
+                                              buckets_->num_buckets()),
+        buckets_.get());
   }
   if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
     buckets_->set_gradient_sink(

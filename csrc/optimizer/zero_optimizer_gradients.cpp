@@ -38,8 +38,7 @@ void ZeroOptimizer::Impl::clear_gradient_shards() {
   }
   gradients_reduced_ = false;
   grad_shard_scale_ = 1.0;
-  stage1_stale_ = false;
-  stage1_copied_.clear();
+  stage1_copies_.clear();
 }
 
 void ZeroOptimizer::Impl::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
@@ -60,8 +59,8 @@ void ZeroOptimizer::Impl::on_gradient(size_t g, int64_t i, const at::Tensor& par
     on_stage1_gradient(g, i, grad);
     return;
   }
-  if (comm_->event_log_enabled()) {  // no string building per gradient otherwise
-    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  if (groups_->shard().event_log_enabled()) {  // no string building per gradient otherwise
+    groups_->shard().note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
   }
   buckets_->add_gradient(g, i, grad);
   gradients_reduced_ = false;
@@ -80,18 +79,18 @@ void ZeroOptimizer::Impl::on_gradient(size_t g, int64_t i, const at::Tensor& par
 // gradients, a replaced tensor), caught by its version counter and agreed
 // across ranks in one small all-reduce at the step.
 void ZeroOptimizer::Impl::on_stage1_gradient(size_t g, int64_t i, const at::Tensor& grad) {
-  if (stage1_stale_) {
+  if (stage1_copies_.stale()) {
     return;
   }
   if (buckets_->reported(g, i) || (!buckets_->round_open() && buckets_->rounds_since_reset() > 0)) {
-    stage1_stale_ = true;  // a second backward since the last step
+    stage1_copies_.mark_stale();  // a second backward since the last step
     return;
   }
   ensure_stage1_grad_shards();
-  if (comm_->event_log_enabled()) {
-    comm_->note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
+  if (groups_->shard().event_log_enabled()) {
+    groups_->shard().note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
   }
-  stage1_copied_.push_back(Stage1Copy{g, i, grad, grad._version()});
+  stage1_copies_.record(g, i, grad);
   buckets_->add_gradient(g, i, grad);
   gradients_reduced_ = false;
 }
@@ -123,24 +122,11 @@ at::Tensor ZeroOptimizer::Impl::new_stage1_grad_shard(size_t g) {
 }
 
 bool ZeroOptimizer::Impl::stage1_copies_current() {
-  bool current = !stage1_stale_;
-  if (current) {
-    size_t with_grad = 0;
-    for (const auto& group : param_groups_) {
-      for (const auto& param : group.params()) {
-        with_grad += param.grad().defined() ? 1 : 0;
-      }
-    }
-    // A .grad set where no hook fired, replaced, or changed in place.
-    current = with_grad == stage1_copied_.size();
-    for (const Stage1Copy& copy : stage1_copied_) {
-      const at::Tensor& now = param_groups_[copy.group].params()[copy.index].grad();
-      current = current && now.is_same(copy.grad) && now._version() == copy.version;
-    }
-  }
+  // A .grad set where no hook fired, replaced, or changed in place.
+  const bool current = stage1_copies_.match(param_groups_);
   at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt).to(device());
-  comm_->all_reduce_max(stale, "stage1_overlap_check");
-  max_across_replicas(stale, "stage1_overlap_check");
+  groups_->shard().all_reduce_max(stale, "stage1_overlap_check");
+  groups_->max_across_replicas(stale, "stage1_overlap_check");
   return stale.cpu().item<int32_t>() == 0;
 }
 
@@ -161,7 +147,7 @@ void ZeroOptimizer::Impl::on_backward_end(bool outermost) {
     join_round = gatherer_->wait_for_all_ranks(outermost ? AgreementBarrier::kBackwardEnd
                                                          : AgreementBarrier::kInnerBackwardEnd);
   }
-  if (gradient_sync_ && !(options_.stage() == 1 && stage1_stale_)) {
+  if (gradient_sync_ && !(options_.stage() == 1 && stage1_copies_.stale())) {
     // Another rank's backward delivered gradients and this one's none (data
     // took it past every trainable parameter): it runs the same round, its
     // buckets all zeros, as the others flush theirs.
@@ -248,7 +234,7 @@ void ZeroOptimizer::Impl::finish_gradient_reduction() {
   const double ranks = options_.gradient_divide_factor() > 0
                            ? options_.gradient_divide_factor()
                            : static_cast<double>(data_parallel_world_size());
-  const double divisor = ranks * loss_scale_;
+  const double divisor = ranks * loss_scaling_.loss_scale();
   if (offloaded_) {
     grad_shard_scale_ = 1.0 / divisor;
   } else {
@@ -281,7 +267,7 @@ void ZeroOptimizer::Impl::raise_gradient_swap_failure(const std::string& what) {
   if (swapper == nullptr) {
     return;
   }
-  const std::string agreed = agreed_error(swapper->failure(), "nvme_gradients");
+  const std::string agreed = groups_->agree(swapper->failure(), "nvme_gradients");
   TORCH_CHECK(agreed.empty(), "could not ", what,
               ": the gradient shard in the NVMe swap space failed (this step's gradients are "
               "lost; zero_grad() and redo the step, or resume from the last checkpoint): ",
@@ -304,7 +290,7 @@ at::Tensor ZeroOptimizer::Impl::gradient_norm() {
   at::Tensor squares = at::zeros({2}, fp32_options());
   for (size_t g = 0; g < buffers_.size(); ++g) {
     const GroupBuffers& shard = buffers_[g];
-    if (!model_parallel_comm_) {
+    if (!groups_->model_parallel()) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
         squares[1].add_(chunk.to(at::kFloat).pow(2).sum());
       });
@@ -318,7 +304,7 @@ at::Tensor ZeroOptimizer::Impl::gradient_norm() {
     }
   }
   raise_gradient_swap_failure("take the gradient norm");
-  comm_->all_reduce_sum(squares, "grad_norm");
+  groups_->shard().all_reduce_sum(squares, "grad_norm");
   at::Tensor total_norm = sum_squares_across_tensor_parallel(squares).sqrt();
   if (offloaded_) {
     total_norm.mul_(grad_shard_scale_);  // the shard holds unscaled sums
@@ -339,19 +325,9 @@ void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
   }
 }
 
-std::vector<Communicator*> ZeroOptimizer::Impl::communicators() const {
-  std::vector<Communicator*> all;
-  for (const AgreementGroup& group : agreement_scope()) {
-    if (group.comm != nullptr) {
-      all.push_back(group.comm);
-    }
-  }
-  return all;
-}
-
 int64_t ZeroOptimizer::Impl::cached_buffer_bytes() const {
   int64_t bytes = buckets_->cached_bytes() + stage1_grad_shard_pool_.cached_bytes();
-  for (const Communicator* comm : communicators()) {
+  for (const Communicator* comm : groups_->communicators()) {
     bytes += comm->cached_bytes();
   }
   return bytes;
@@ -361,7 +337,7 @@ int64_t ZeroOptimizer::Impl::release_cached_buffers() {
   // What each pool unmapped, counted as it is unmapped: a buffer freed
   // between a count and the release would otherwise go uncounted.
   int64_t bytes = buckets_->release_cached_buffers() + stage1_grad_shard_pool_.clear();
-  for (Communicator* comm : communicators()) {
+  for (Communicator* comm : groups_->communicators()) {
     bytes += comm->release_cached_buffers();
   }
   return bytes;
@@ -395,12 +371,6 @@ int64_t ZeroOptimizer::Impl::host_gradient_bytes() const {
   return gradient_shard_bytes(/*on_host=*/true) + (swapper ? swapper->buffer_bytes() : 0);
 }
 
-void ZeroOptimizer::Impl::set_loss_scale(double scale) {
-  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "loss scale must be finite and > 0, got ",
-                    scale);
-  loss_scale_ = scale;
-}
-
 std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* overflow,
                                                                          bool detached,
                                                                          bool* any_detached) {
@@ -429,13 +399,13 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
     }
   }
   flags = flags.to(device());
-  comm_->all_reduce_max(flags, "grad_presence");
-  max_across_replicas(flags, "grad_presence");  // a parameter unused on one replica only
+  groups_->shard().all_reduce_max(flags, "grad_presence");
+  groups_->max_across_replicas(flags, "grad_presence");  // a parameter unused on one replica only
   // inf/NaN in one piece skips the step on every piece; presence stays this
   // rank's own (under expert parallelism the group's ranks hold other
   // parameters at the same indices).
   at::Tensor overflow_flag = flags.narrow(0, total, 2).clone();
-  max_across_tensor_parallel(overflow_flag, "overflow");
+  groups_->max_across_model_parallel(overflow_flag, "overflow");
   flags.narrow(0, total, 2).copy_(overflow_flag);
   flags = flags.cpu();
   data = flags.data_ptr<int32_t>();

@@ -8,6 +8,8 @@
 #include "background_save.h"
 #include "device_shard_storage.h"
 #include "group_buffers.h"
+#include "loss_scaling.h"
+#include "stage1_gradient_copies.h"
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/error_agreement.h"
@@ -20,6 +22,7 @@
 #include "zeroshard/optimizer_states.h"
 #include "zeroshard/parameter_gatherer.h"
 #include "zeroshard/partition_layout.h"
+#include "zeroshard/process_groups.h"
 #include "zeroshard/state_placement.h"
 #include "zeroshard/tensor_parallel_split.h"
 #include "zeroshard/zero_optimizer.h"
@@ -59,11 +62,11 @@ class ZeroOptimizer::Impl {
   at::Tensor clip_grad_norm(double max_norm);
   at::Tensor gradient_norm();
   void scale_gradients(const at::Tensor& coefficient);
-  void set_loss_scale(double scale);
-  double loss_scale() const { return loss_scale_; }
-  bool last_step_skipped() const { return last_step_skipped_; }
-  void skip_next_step() { skip_requested_ = true; }
-  int64_t skipped_steps() const { return skipped_steps_; }
+  void set_loss_scale(double scale) { loss_scaling_.set_loss_scale(scale); }
+  double loss_scale() const { return loss_scaling_.loss_scale(); }
+  bool last_step_skipped() const { return loss_scaling_.last_step_skipped(); }
+  void skip_next_step() { loss_scaling_.request_skip(); }
+  int64_t skipped_steps() const { return loss_scaling_.skipped_steps(); }
   void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
   bool gradient_sync() const { return gradient_sync_; }
   int64_t gradient_bytes() const;
@@ -75,19 +78,18 @@ class ZeroOptimizer::Impl {
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
   const ZeroOptions& zero_options() const { return options_; }
   const PartitionLayout& layout() const { return *layout_; }
-  Communicator& communicator() { return *comm_; }
-  Communicator* replica_communicator() { return replica_comm_.get(); }
-  int64_t data_parallel_world_size() const;
+  Communicator& communicator() { return groups_->shard(); }
+  Communicator* replica_communicator() { return groups_->replica(); }
+  int64_t data_parallel_world_size() const { return groups_->data_parallel_world_size(); }
   void set_tensor_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group,
                            std::vector<std::vector<bool>> sharded,
-                           std::vector<std::vector<TensorParallelSplit>> splits = {});
-  int64_t checkpoint_rank() const;
-  void set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group);
-  ModelParallel model_parallel() const { return model_parallel_; }
-  // The prefix of the model-parallel group's collective tags, naming it.
-  const char* model_parallel_tag() const {
-    return model_parallel_ == ModelParallel::kExpert ? "expert_parallel/" : "tensor_parallel/";
+                           std::vector<std::vector<TensorParallelSplit>> splits = {}) {
+    set_model_parallel(ModelParallel::kTensor, std::move(group), std::move(sharded),
+                       std::move(splits));
   }
+  int64_t checkpoint_rank() const { return groups_->checkpoint_rank(); }
+  void set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ModelParallel model_parallel() const { return groups_->model_parallel_kind(); }
   void gradient_arrived(size_t group, int64_t index);
   const at::Tensor& flat_parameters(size_t group) const;
   int64_t optimizer_state_bytes() const;
@@ -141,24 +143,15 @@ class ZeroOptimizer::Impl {
   void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
                   std::vector<ParameterUnit> units);
+  // set_tensor_parallel and set_expert_parallel: the model-parallel group,
+  // which parameters are pieces or a rank's own, and their splits.
+  void set_model_parallel(ModelParallel kind, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                          std::vector<std::vector<bool>> sharded,
+                          std::vector<std::vector<TensorParallelSplit>> splits);
   // ---- Hybrid sharding (zero_optimizer_replicas.cpp); no-ops without it ----
-  // An error found on some ranks of either group raised on every rank.
-  void raise_if_any_rank_failed(const std::string& local_error, const std::string& what,
-                                const std::string& tag);
-  // Every rank's error ("" for none) combined over the shard group, then
-  // across replicas, then across the tensor-/expert-parallel group: the same
-  // string on every rank.
-  std::string agreed_error(const std::string& local_error, const std::string& tag);
-  // The groups those agreements span (absent ones null).
-  std::vector<AgreementGroup> agreement_scope() const;
-  // The communicators of agreement_scope() that this optimizer has.
-  std::vector<Communicator*> communicators() const;
   // A group added after construction (C++ add_param_group is not virtual)
   // has no place in the partition layout: an error, before any collective.
   void check_groups_fixed() const;
-  // Replica 0's values on every replica (after the shard group's broadcast).
-  void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag);
-  void max_across_replicas(at::Tensor& tensor, const std::string& tag);
   // Sums the reduced gradient shards over the replicas.
   void reduce_gradient_shards_across_replicas();
   // ---- Tensor parallelism; no-ops without it ----
@@ -166,7 +159,6 @@ class ZeroOptimizer::Impl {
   // gradients' squares on this rank, summed over the data-parallel group;
   // returns the global sum of squares.
   at::Tensor sum_squares_across_tensor_parallel(at::Tensor squares);
-  void max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag);
   // The shard group's save: what save_checkpoint runs on the first replica.
   void save_checkpoint_shards(const std::string& path, const CheckpointSaveOptions& options);
   std::vector<std::vector<int64_t>> assign_units(const std::vector<ParameterUnit>& units,
@@ -210,23 +202,12 @@ class ZeroOptimizer::Impl {
   nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
   // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
   // where parameter (g, i) sits in its unsplit tensor; whether this rank
-  // writes it (a copy is written by tensor-parallel rank 0 only); how many
-  // ranks write; every writer's string in checkpoint_rank() order; an error
-  // agreed over the shard and tensor-parallel groups, raised on every rank.
+  // writes it (a copy is written by tensor-parallel rank 0 only); an error
+  // agreed among the writers (ProcessGroups::writers_scope), raised on every
+  // rank.
   TensorParallelSplit tensor_parallel_split(size_t g, size_t i) const;
   bool writes_checkpoint_piece(size_t g, size_t i) const;
-  int64_t checkpoint_writer_count() const;
-  std::vector<std::string> all_gather_checkpoint_strings(const std::string& mine,
-                                                         const std::string& tag);
   void agree_on_checkpoint_errors(const std::string& local_error, const std::string& what);
-  void finish_checkpoint_quietly() noexcept;  // destructor: wait, report to stderr
-  // Joins an asynchronous save in flight; its error ("" if none).
-  std::string finish_pending_checkpoint();
-  // The store and key on which the ranks of the next asynchronous save of
-  // `path` agree (the same on every rank: each counts its saves); throws
-  // where no store reaches them all.
-  std::pair<c10::intrusive_ptr<c10d::Store>, std::string> next_checkpoint_commit(
-      const std::string& path);
   // Checkpoints: a range of group g's state `name` in fp32 (a device moment in
   // place, anything else copied to the host).
   at::Tensor read_state(size_t g, OptimizerStateName name, int64_t offset, int64_t length) const;
@@ -305,16 +286,9 @@ class ZeroOptimizer::Impl {
   std::vector<torch::optim::OptimizerParamGroup>& param_groups_;
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
-  // The process groups this optimizer talks over, each named for what it
-  // is; communicators() lists those present, agreement_scope() with their
-  // tag prefixes. The shard group: ZeRO's data-parallel group.
-  std::unique_ptr<Communicator> comm_;
-  // Hybrid sharding's replicate group (ranks holding the same shard).
-  std::unique_ptr<Communicator> replica_comm_;
-  // The model-parallel group: tensor-parallel (pieces of split tensors and
-  // copies) or expert-parallel (other experts), as model_parallel_ says.
-  std::unique_ptr<Communicator> model_parallel_comm_;
-  ModelParallel model_parallel_ = ModelParallel::kNone;
+  // The process groups this optimizer talks over (shard, replica,
+  // model-parallel) and the agreements over them; set first in initialize().
+  std::unique_ptr<ProcessGroups> groups_;
   std::vector<std::vector<bool>> tensor_parallel_sharded_;                // per group and parameter
   std::vector<std::vector<TensorParallelSplit>> tensor_parallel_splits_;  // empty: not given
   std::unique_ptr<PartitionLayout> layout_;
@@ -355,10 +329,7 @@ class ZeroOptimizer::Impl {
   std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
   // Per group and parameter: its names (see set_parameter_names); may be empty.
   std::vector<std::vector<std::vector<std::string>>> param_names_;
-  std::unique_ptr<BackgroundSave> pending_checkpoint_;  // an asynchronous save in flight
-  int64_t saves_started_ = 0;                           // names its store keys
-  c10::intrusive_ptr<c10d::Store> checkpoint_store_;    // set_checkpoint_store
-  std::string checkpoint_store_prefix_;
+  AsyncCheckpointSaver async_saver_;  // asynchronous checkpoint saves
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   // Hooks (backward thread) vs. the training thread; recursive because a
@@ -366,23 +337,11 @@ class ZeroOptimizer::Impl {
   std::recursive_mutex gradient_mutex_;
   c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
   bool gradients_reduced_ = false;               // shards hold the averaged gradient
-  double loss_scale_ = 1.0;
-  bool last_step_skipped_ = false;
-  bool skip_requested_ = false;
-  int64_t skipped_steps_ = 0;
+  LossScaling loss_scaling_;
   int64_t model_forward_depth_ = 0;  // see model_forward_begin
   bool gradient_sync_ = true;
-  bool unsynced_gradients_ = false;  // a backward ran under no_sync since the last reduction
-  // Stage 1 overlap: the .grad tensors copied this step and their versions;
-  // stale once a second backward ran before the step.
-  struct Stage1Copy {
-    size_t group;
-    int64_t index;
-    at::Tensor grad;  // the .grad the hook copied
-    int64_t version;  // its version counter then
-  };
-  std::vector<Stage1Copy> stage1_copied_;
-  bool stage1_stale_ = false;
+  bool unsynced_gradients_ = false;     // a backward ran under no_sync since the last reduction
+  Stage1GradientCopies stage1_copies_;  // stage 1 overlap: see its header
 };
 
 }  // namespace zeroshard

@@ -59,7 +59,9 @@ void ZeroOptimizer::Impl::write_parameter_values(size_t g, int64_t offset, const
     const int64_t end = std::min(offset + values.numel(), bucket.shard_offset + bucket.shard_numel);
     if (begin < end) {
       shard.flat_param
-          .narrow(0, layout.rank_slice_offset(bucket, comm_->rank()) + begin - bucket.shard_offset,
+          .narrow(0,
+                  layout.rank_slice_offset(bucket, groups_->shard().rank()) + begin -
+                      bucket.shard_offset,
                   end - begin)
           .copy_(values.narrow(0, begin - offset, end - begin), async);
     }

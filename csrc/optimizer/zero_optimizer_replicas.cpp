@@ -20,44 +20,8 @@
 
 namespace zeroshard {
 
-int64_t ZeroOptimizer::Impl::data_parallel_world_size() const {
-  return comm_->world_size() * (replica_comm_ ? replica_comm_->world_size() : 1);
-}
-
-std::vector<AgreementGroup> ZeroOptimizer::Impl::agreement_scope() const {
-  // One node's failure stops every replica; an expert-parallel peer of a
-  // failed rank would otherwise wait for it in the next collective until the
-  // timeout.
-  return {{comm_.get(), ""},
-          {replica_comm_.get(), "replicas/"},
-          {model_parallel_comm_.get(), model_parallel_tag()}};
-}
-
-std::string ZeroOptimizer::Impl::agreed_error(const std::string& local_error,
-                                              const std::string& tag) {
-  return agree_on_error(agreement_scope(), local_error, device_, tag);
-}
-
-void ZeroOptimizer::Impl::raise_if_any_rank_failed(const std::string& local_error,
-                                                   const std::string& what,
-                                                   const std::string& tag) {
-  zeroshard::raise_if_any_rank_failed(agreement_scope(), local_error, what, device_, tag);
-}
-
-void ZeroOptimizer::Impl::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) {
-  if (replica_comm_) {
-    replica_comm_->broadcast(tensor, /*root=*/0, "replicas/" + tag);
-  }
-}
-
-void ZeroOptimizer::Impl::max_across_replicas(at::Tensor& tensor, const std::string& tag) {
-  if (replica_comm_) {
-    replica_comm_->all_reduce_max(tensor, "replicas/" + tag);
-  }
-}
-
 void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
-  if (!replica_comm_) {
+  if (!groups_->replica()) {
     return;
   }
   for (size_t g = 0; g < buffers_.size(); ++g) {
@@ -68,7 +32,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
       for (int64_t done = 0; done < numel; done += kGradientSwapBlockElements) {
         const int64_t length = std::min(kGradientSwapBlockElements, numel - done);
         at::Tensor sum = swapped->read(g, done, length).to(device_);
-        replica_comm_->all_reduce_sum(sum, tag);
+        groups_->replica()->all_reduce_sum(sum, tag);
         swapped->write(g, done, sum.cpu());
       }
       raise_gradient_swap_failure("reduce the gradients across replicas");
@@ -79,7 +43,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
       continue;  // every replica has the same layout, so all skip alike
     }
     if (shard.device() == device_) {
-      replica_comm_->all_reduce_sum(shard, tag);
+      groups_->replica()->all_reduce_sum(shard, tag);
       continue;
     }
     // A host shard (offload) travels through the device (NCCL needs device
@@ -90,7 +54,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
     for (int64_t done = 0; done < numel; done += kShardChunkElements) {
       at::Tensor host = shard.narrow(0, done, std::min(kShardChunkElements, numel - done));
       at::Tensor sum = host.to(device_);
-      replica_comm_->all_reduce_sum(sum, tag);
+      groups_->replica()->all_reduce_sum(sum, tag);
       host.copy_(sum);
     }
   }
@@ -99,7 +63,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
 void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
                                           const CheckpointSaveOptions& options) {
   check_groups_fixed();
-  if (!replica_comm_) {
+  if (!groups_->replica()) {
     save_checkpoint_shards(path, options);
     return;
   }
@@ -109,19 +73,19 @@ void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
   // writes them with its own, so every rank resumes its own random streams.
   // An asynchronous save's outcome reaches the other replicas through the
   // checkpoint store: their wait_for_checkpoint raises what the writers do.
-  const bool writer = replica_comm_->rank() == 0;
+  const bool writer = groups_->replica()->rank() == 0;
   // The previous asynchronous save's outcome, on writers and observers alike:
   // it is reported by the first agreement below, with a refusal of this save's
   // names if there is one, so that neither hides the other.
-  const std::string previous_error = finish_pending_checkpoint();
+  const std::string previous_error = async_saver_.finish();
   std::string observer_error;  // the other replicas': their checkpoint store
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
   const std::vector<std::string> replica_files =
-      all_gather_strings(*replica_comm_, checkpoint_detail::encode_files(options.rank_files()),
+      all_gather_strings(*groups_->replica(), checkpoint_detail::encode_files(options.rank_files()),
                          device_, "replicas/checkpoint_rank_files");
   CheckpointSaveOptions with_replicas = options;
   std::string refusal;
-  if (replica_comm_->rank() == 0) {
+  if (groups_->replica()->rank() == 0) {
     for (size_t r = 1; r < replica_files.size(); ++r) {
       for (auto& [name, content] : checkpoint_detail::decode_files(replica_files[r])) {
         if (!with_replicas.rank_files().emplace(name, std::move(content)).second) {
@@ -137,13 +101,13 @@ void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
   if (!previous_error.empty()) {
     refusal += std::string(refusal.empty() ? "" : "; ") + previous_error;
   }
-  const std::string refused = agreed_error(refusal, "checkpoint_rank_file_names");
+  const std::string refused = groups_->agree(refusal, "checkpoint_rank_file_names");
   TORCH_CHECK_VALUE(refused.empty(), "could not save checkpoint ", path, " ", refused);
   // Counted here, where the writers count theirs (in save_checkpoint_shards):
   // a save refused above counts on no rank.
   if (!writer && options.async_save()) {
     try {
-      commit = next_checkpoint_commit(checkpoint_path(path, ""));
+      commit = async_saver_.next_commit(checkpoint_path(path, ""), *groups_);
     } catch (const c10::Error& e) {
       observer_error = e.what_without_backtrace();
     }
@@ -160,16 +124,16 @@ void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
   }
   // Over every group, not the replicas alone: an observer's own error (its
   // store) is seen by no writer.
-  const std::string agreed = agreed_error(error, "replicas/checkpoint");
+  const std::string agreed = groups_->agree(error, "replicas/checkpoint");
   if (!agreed.empty()) {
     // A writer's save may be in flight after a failure elsewhere (another
     // replica's store): it finishes, and its outcome is reported to stderr.
-    finish_checkpoint_quietly();
+    async_saver_.finish_quietly();
   }
   TORCH_CHECK_VALUE(agreed.empty(), "could not save checkpoint ", path, " (replicas ", agreed, ")");
   if (!writer && options.async_save()) {
     // This replica writes nothing: its save is the wait for the writers'.
-    pending_checkpoint_ = std::make_unique<BackgroundSave>(
+    async_saver_.start(
         checkpoint_path(path, ""),
         [store = BackgroundSave::own_connection(commit.first), key = commit.second]() {
           return checkpoint_detail::await_commit_outcome(store.get(), key);

@@ -13,7 +13,7 @@
 namespace zeroshard {
 
 void ZeroOptimizer::Impl::build_group_shards() {
-  const int64_t rank = comm_->rank();
+  const int64_t rank = groups_->shard().rank();
   at::NoGradGuard no_grad;
   replacements_.assign(param_groups_.size(), {});
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -34,9 +34,10 @@ void ZeroOptimizer::Impl::build_group_shards() {
       shard.flat_param.narrow(0, slot.flat_offset, slot.numel)
           .copy_(params[i].detach().reshape({-1}));
     }
-    comm_->broadcast(shard.flat_param, options_.broadcast_from_rank(),
-                     "group" + std::to_string(g) + "/initial_params");
-    broadcast_across_replicas(shard.flat_param, "group" + std::to_string(g) + "/initial_params");
+    groups_->shard().broadcast(shard.flat_param, options_.broadcast_from_rank(),
+                               "group" + std::to_string(g) + "/initial_params");
+    groups_->broadcast_across_replicas(shard.flat_param,
+                                       "group" + std::to_string(g) + "/initial_params");
     // The model's parameters become views into the flat buffer, so the
     // all-gather after each step writes them with no extra copy.
     for (size_t i = 0; i < params.size(); ++i) {
@@ -70,7 +71,7 @@ void ZeroOptimizer::Impl::build_group_shards() {
 // param_shard, the parameters become views of the buffer, and the buffer's
 // storage is freed unless the bucket is persistent.
 void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
-  const int64_t rank = comm_->rank();
+  const int64_t rank = groups_->shard().rank();
   const GroupLayout& layout = layout_->group(g);
   auto& params = param_groups_[g].params();
   GroupBuffers& shard = buffers_[g];
@@ -105,9 +106,9 @@ void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
         full.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel)
             .copy_(params[slot.param_index].detach().reshape({-1}));
       }
-      comm_->broadcast(full, options_.broadcast_from_rank(),
-                       "group" + std::to_string(g) + "/initial_params");
-      broadcast_across_replicas(full, "group" + std::to_string(g) + "/initial_params");
+      groups_->shard().broadcast(full, options_.broadcast_from_rank(),
+                                 "group" + std::to_string(g) + "/initial_params");
+      groups_->broadcast_across_replicas(full, "group" + std::to_string(g) + "/initial_params");
       gatherer_->mark_initialized(g, b);
     }
     const at::Tensor mine = full.narrow(0, rank * bucket.shard_numel, bucket.shard_numel);

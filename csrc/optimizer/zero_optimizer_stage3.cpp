@@ -53,7 +53,7 @@ void ZeroOptimizer::Impl::raise_agreed_write_error(std::string error, const std:
       param_swapper_->flush();
     }
   });
-  const std::string agreed = agreed_error(error, "nvme_write");
+  const std::string agreed = groups_->agree(error, "nvme_write");
   TORCH_CHECK(agreed.empty(), "could not write ", what,
               " to the NVMe swap space (they are partly written; resume from the last "
               "checkpoint): ",
@@ -62,15 +62,15 @@ void ZeroOptimizer::Impl::raise_agreed_write_error(std::string error, const std:
 
 std::vector<std::vector<at::Tensor>> ZeroOptimizer::Impl::full_parameters(int64_t rank) {
   check_groups_fixed();
-  TORCH_CHECK_VALUE(rank >= 0 && rank < comm_->world_size(), "rank must be in [0, ",
-                    comm_->world_size(), "), got ", rank);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < groups_->shard().world_size(), "rank must be in [0, ",
+                    groups_->shard().world_size(), "), got ", rank);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   std::vector<std::vector<at::Tensor>> out(param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const GroupLayout& layout = layout_->group(g);
     const auto& params = param_groups_[g].params();
-    if (comm_->rank() == rank) {
+    if (groups_->shard().rank() == rank) {
       for (const auto& param : params) {
         out[g].push_back(at::zeros(param.sizes(), fp32_options()));
       }
@@ -79,8 +79,8 @@ std::vector<std::vector<at::Tensor>> ZeroOptimizer::Impl::full_parameters(int64_
       const Bucket& bucket = layout.buckets()[b];
       at::Tensor input = read_master(g, bucket.shard_offset, bucket.shard_numel);
       at::Tensor full = at::empty({bucket.numel}, fp32_options());
-      comm_->all_gather(full, input, "full_parameters/" + bucket_tag(g, b)).wait();
-      if (comm_->rank() != rank) {
+      groups_->shard().all_gather(full, input, "full_parameters/" + bucket_tag(g, b)).wait();
+      if (groups_->shard().rank() != rank) {
         continue;
       }
       for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
@@ -182,8 +182,9 @@ void ZeroOptimizer::Impl::pin_parameters(const std::vector<at::Tensor>& params) 
 
 void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params,
                                            int64_t modifier_rank) {
-  TORCH_CHECK_VALUE(modifier_rank < comm_->world_size(), "modifier_rank must be < world size ",
-                    comm_->world_size(), ", got ", modifier_rank);
+  TORCH_CHECK_VALUE(modifier_rank < groups_->shard().world_size(),
+                    "modifier_rank must be < world size ", groups_->shard().world_size(), ", got ",
+                    modifier_rank);
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   at::NoGradGuard no_grad;
   const std::vector<BucketId> buckets = buckets_of(params);
@@ -194,10 +195,11 @@ void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params
       at::Tensor full = gatherer_
                             ? gatherer_->full(g, b)
                             : buffers_[g].flat_param.narrow(0, bucket.flat_offset, bucket.numel);
-      comm_->broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
+      groups_->shard().broadcast(full, modifier_rank, "modified/" + bucket_tag(g, b));
       // Hybrid sharding: modifier_rank of the first replica decides.
-      broadcast_across_replicas(full, "modified/" + bucket_tag(g, b));
-      at::Tensor mine = full.narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+      groups_->broadcast_across_replicas(full, "modified/" + bucket_tag(g, b));
+      at::Tensor mine =
+          full.narrow(0, groups_->shard().rank() * bucket.shard_numel, bucket.shard_numel);
       write_unless_failed(swaps_to_nvme(), write_error, [&, g = g] {
         write_master(g, bucket.shard_offset, mine);
         if (param_swapper_) {
@@ -266,9 +268,9 @@ void ZeroOptimizer::Impl::end_initialization(const std::vector<at::Tensor>& para
     const Bucket& bucket = layout_->group(g).buckets()[b];
     // Hybrid sharding: the first replica's initial values, whatever the
     // other replicas' random generators produced.
-    broadcast_across_replicas(gatherer_->full(g, b), "initialized/" + bucket_tag(g, b));
-    at::Tensor mine =
-        gatherer_->full(g, b).narrow(0, comm_->rank() * bucket.shard_numel, bucket.shard_numel);
+    groups_->broadcast_across_replicas(gatherer_->full(g, b), "initialized/" + bucket_tag(g, b));
+    at::Tensor mine = gatherer_->full(g, b).narrow(0, groups_->shard().rank() * bucket.shard_numel,
+                                                   bucket.shard_numel);
     write_unless_failed(swaps_to_nvme(), write_error, [&, g = g] {
       if (param_swapper_) {
         param_swapper_->write(g, bucket.shard_offset, mine);
@@ -286,7 +288,7 @@ void ZeroOptimizer::Impl::end_initialization(const std::vector<at::Tensor>& para
 
 void ZeroOptimizer::Impl::finish_initialization(const std::string& local_error) {
   TORCH_CHECK(gatherer_, "finish_initialization is for stage 3 partitioned construction");
-  const std::string agreed = agreed_error(local_error, "initialization");
+  const std::string agreed = groups_->agree(local_error, "initialization");
   TORCH_CHECK_VALUE(agreed.empty(), "partitioned construction: initializing the parameters failed ",
                     agreed,
                     "; fix the initializer (param_init_fn or reset_parameters) and construct "

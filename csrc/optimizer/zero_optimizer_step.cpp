@@ -45,15 +45,11 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
   if (any_detached) {
     // Every rank saw the flag; the names come from the ranks that have them.
     // Nothing is updated and the gradients stay for a retry.
-    const std::string agreed = agreed_error(detached, "detached_parameters");
+    const std::string agreed = groups_->agree(detached, "detached_parameters");
     TORCH_CHECK(false, "zeroshard: step() refused ", agreed);
   }
-  overflow = overflow || skip_requested_;
-  skip_requested_ = false;
-  last_step_skipped_ = overflow;
-  if (overflow) {
+  if (loss_scaling_.record_step(overflow)) {
     // Every rank saw the flag: nothing is updated anywhere.
-    skipped_steps_ += 1;
     if (param_swapper_) {
       param_swapper_->end_iteration();
     }
@@ -74,7 +70,7 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
     }
     gather_parameters();
   }
-  comm_->set_step(comm_->step() + 1);
+  groups_->shard().set_step(groups_->shard().step() + 1);
   // The step consumes the gradients.
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   clear_gradient_shards();
@@ -152,8 +148,8 @@ void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
     // Gathered from this rank's own slice of flat_param: the fp32 master is
     // that slice (written in place by the update), a 16-bit one is rounded
     // into it here, and with offload the step already wrote it.
-    at::Tensor input = shard.flat_param.narrow(0, layout.rank_slice_offset(bucket, comm_->rank()),
-                                               bucket.shard_numel);
+    at::Tensor input = shard.flat_param.narrow(
+        0, layout.rank_slice_offset(bucket, groups_->shard().rank()), bucket.shard_numel);
     if (!offloaded_) {
       const at::Tensor master = master_slice(g, bucket);
       if (!master.is_alias_of(input)) {
@@ -161,7 +157,7 @@ void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
       }
     }
     at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
-    parameter_gathers_.push_back(comm_->all_gather(output, input, bucket_tag(g, b)));
+    parameter_gathers_.push_back(groups_->shard().all_gather(output, input, bucket_tag(g, b)));
   }
 }
 

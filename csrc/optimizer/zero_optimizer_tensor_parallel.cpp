@@ -15,9 +15,10 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::Impl::set_tensor_parallel(
-    c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<std::vector<bool>> sharded,
-    std::vector<std::vector<TensorParallelSplit>> splits) {
+void ZeroOptimizer::Impl::set_model_parallel(ModelParallel kind,
+                                             c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             std::vector<std::vector<bool>> sharded,
+                                             std::vector<std::vector<TensorParallelSplit>> splits) {
   TORCH_CHECK_VALUE(group, "set_tensor_parallel needs the tensor-parallel process group");
   TORCH_CHECK_VALUE(sharded.size() == param_groups_.size(), "set_tensor_parallel: expected ",
                     param_groups_.size(), " lists of flags (one per parameter group), got ",
@@ -54,8 +55,8 @@ void ZeroOptimizer::Impl::set_tensor_parallel(
   }
   tensor_parallel_sharded_ = std::move(sharded);
   tensor_parallel_splits_ = std::move(splits);
-  model_parallel_comm_ = group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr;
-  model_parallel_ = ModelParallel::kTensor;
+  groups_->set_model_parallel(kind,
+                              group->getSize() > 1 ? make_communicator(std::move(group)) : nullptr);
 }
 
 void ZeroOptimizer::Impl::set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group) {
@@ -72,8 +73,8 @@ void ZeroOptimizer::Impl::set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGr
       splits.back().push_back({-1, 0, param.sizes().vec()});
     }
   }
-  set_tensor_parallel(std::move(group), std::move(sharded), std::move(splits));
-  model_parallel_ = ModelParallel::kExpert;
+  set_model_parallel(ModelParallel::kExpert, std::move(group), std::move(sharded),
+                     std::move(splits));
 }
 
 void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
@@ -88,35 +89,18 @@ void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
 }
 
 at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor squares) {
-  if (model_parallel_comm_) {
+  if (groups_->model_parallel()) {
     at::Tensor pieces = squares.narrow(0, 0, 1).clone();
-    model_parallel_comm_->all_reduce_sum(pieces, std::string(model_parallel_tag()) + "grad_norm");
+    groups_->model_parallel()->all_reduce_sum(
+        pieces, std::string(groups_->model_parallel_tag()) + "grad_norm");
     squares.narrow(0, 0, 1).copy_(pieces);
   }
   return squares.sum();
 }
 
-void ZeroOptimizer::Impl::max_across_tensor_parallel(at::Tensor& tensor, const std::string& tag) {
-  if (model_parallel_comm_) {
-    model_parallel_comm_->all_reduce_max(tensor, model_parallel_tag() + tag);
-  }
-}
-
 // ---- Checkpoints: every state is stored in its unsplit tensor's element
 // order, each piece written once (a copy by tensor-parallel rank 0), and the
 // files of every tensor-parallel rank go into one directory under one index.
-
-int64_t ZeroOptimizer::Impl::checkpoint_rank() const {
-  // Replica 0's ranks are the writers, numbered 0 .. writers - 1; the other
-  // replicas' ranks follow (they name RNG files, never data files).
-  const int64_t tp_rank = model_parallel_comm_ ? model_parallel_comm_->rank() : 0;
-  const int64_t replica = replica_comm_ ? replica_comm_->rank() : 0;
-  return replica * checkpoint_writer_count() + tp_rank * comm_->world_size() + comm_->rank();
-}
-
-int64_t ZeroOptimizer::Impl::checkpoint_writer_count() const {
-  return comm_->world_size() * (model_parallel_comm_ ? model_parallel_comm_->world_size() : 1);
-}
 
 TensorParallelSplit ZeroOptimizer::Impl::tensor_parallel_split(size_t g, size_t i) const {
   if (!tensor_parallel_splits_.empty()) {
@@ -130,35 +114,14 @@ TensorParallelSplit ZeroOptimizer::Impl::tensor_parallel_split(size_t g, size_t 
 }
 
 bool ZeroOptimizer::Impl::writes_checkpoint_piece(size_t g, size_t i) const {
-  return !model_parallel_comm_ || model_parallel_comm_->rank() == 0 ||
+  return !groups_->model_parallel() || groups_->model_parallel()->rank() == 0 ||
          (!tensor_parallel_sharded_.empty() && tensor_parallel_sharded_[g][i]);
-}
-
-std::vector<std::string> ZeroOptimizer::Impl::all_gather_checkpoint_strings(
-    const std::string& mine, const std::string& tag) {
-  std::vector<std::string> shard_group = all_gather_strings(*comm_, mine, device(), tag);
-  if (!model_parallel_comm_) {
-    return shard_group;
-  }
-  std::vector<std::string> all;
-  for (const std::string& each :
-       all_gather_strings(*model_parallel_comm_, nlohmann::json(shard_group).dump(), device(),
-                          model_parallel_tag() + tag)) {
-    for (auto& one : nlohmann::json::parse(each)) {
-      all.push_back(one.get<std::string>());
-    }
-  }
-  return all;
 }
 
 void ZeroOptimizer::Impl::agree_on_checkpoint_errors(const std::string& local_error,
                                                      const std::string& what) {
-  if (!model_parallel_comm_) {
-    checkpoint_detail::agree_on_errors(*comm_, local_error, what, device());
-    return;
-  }
   const std::string error =
-      combined_error(all_gather_checkpoint_strings(local_error, "checkpoint_errors"));
+      groups_->agree(local_error, "checkpoint_errors", groups_->writers_scope());
   TORCH_CHECK_VALUE(error.empty(), "could not ", what, " ", error);
 }
 

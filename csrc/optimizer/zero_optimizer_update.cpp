@@ -133,7 +133,7 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the
     // next collective.
-    const std::string agreed = agreed_error(nvme_error, "nvme_step");
+    const std::string agreed = groups_->agree(nvme_error, "nvme_step");
     TORCH_CHECK(agreed.empty(),
                 "could not update the optimizer state or parameters on NVMe (this step is "
                 "incomplete; resume from the last checkpoint): ",

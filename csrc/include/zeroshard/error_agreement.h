@@ -21,19 +21,27 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
                                             c10::Device device, const std::string& tag);
 
 // The message every rank raises, from every rank's error ("" = none): "" when
-// none failed, else "(k of n ranks failed): rank r: ..." (or "every rank: ..."
-// when all failed alike).
+// none failed, else "(k of n ranks failed): rank r: ..." (ranks that failed
+// alike named together, "rank 0 and rank 2: ...", or "every rank: ..." when
+// all did).
 std::string combined_error(const std::vector<std::string>& errors);
 
-// A group an error agreement spans, and the prefix of its collectives' tags.
+// A group an error agreement spans, the prefix of its collectives' tags, and
+// what a rank's number in it is called in messages ("" for the first group:
+// "rank"; "replica", "tensor-parallel rank" for the others).
 struct AgreementGroup {
   Communicator* comm = nullptr;  // null: not part of the scope
   std::string tag_prefix;
+  std::string rank_name;
 };
 
 // Collective over each group of `scope` in turn (every rank of every group
 // calls it): returns the combined error, the same on every rank of every
-// group; "" when no rank failed.
+// group; "" when no rank failed. The message is flat over the whole scope:
+// "(k of n ranks failed): shard rank r, replica q: ..." where n is the
+// product of the groups' sizes and each failed rank is named once by its
+// number in each group (the last group's first), never an agreement nested
+// inside another; "rank r" where the scope has one group.
 std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
                            c10::Device device, const std::string& tag);
 

@@ -21,6 +21,7 @@
 
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/model_parallel.h"
 #include "zeroshard/parameter_unit.h"
 #include "zeroshard/tensor_parallel_split.h"
 #include "zeroshard/zero_options.h"
@@ -167,7 +168,7 @@ class ZeroOptimizer : public torch::optim::Optimizer {
                            std::vector<std::vector<TensorParallelSplit>> splits = {});
   // Which of the two the model-parallel group is (set_tensor_parallel or
   // set_expert_parallel); kNone before either.
-  enum class ModelParallel { kNone, kTensor, kExpert };
+  using ModelParallel = ::zeroshard::ModelParallel;
   ModelParallel model_parallel() const;
   // This rank's number in checkpoints: among the ranks that write one (the
   // first replica's shard group times the tensor-parallel group) it names
