@@ -68,34 +68,6 @@ at::Tensor host_staging(int64_t numel, c10::Device device) {
 
 }  // namespace
 
-void ZeroOptimizer::Impl::set_parameter_names(
-    const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  param_names_.assign(param_groups_.size(), {});
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    param_names_[g].resize(param_groups_[g].params().size());
-  }
-  for (const auto& [name, tensor] : named) {
-    auto it = param_index_.find(tensor.unsafeGetTensorImpl());
-    if (it != param_index_.end()) {
-      param_names_[it->second.first][it->second.second].push_back(name);
-    }
-  }
-}
-
-std::string ZeroOptimizer::Impl::parameter_name(size_t group, size_t index) const {
-  if (group < param_names_.size() && !param_names_[group][index].empty()) {
-    return param_names_[group][index].front();
-  }
-  return "group" + std::to_string(group) + "." + std::to_string(index);
-}
-
-std::vector<std::string> ZeroOptimizer::Impl::parameter_aliases(size_t group, size_t index) const {
-  if (group < param_names_.size() && param_names_[group][index].size() > 1) {
-    return {param_names_[group][index].begin() + 1, param_names_[group][index].end()};
-  }
-  return {};
-}
-
 at::Tensor ZeroOptimizer::Impl::read_state(size_t g, OptimizerStateName name, int64_t offset,
                                            int64_t length) const {
   if (name == OptimizerStateName::kMaster) {

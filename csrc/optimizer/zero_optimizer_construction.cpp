@@ -75,7 +75,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
                       "units are a stage 3 feature; this optimizer has stage ", options_.stage());
     validate_parameters();
-    index_parameters();
+    param_index_.rebuild(param_groups_);
     if (options_.stage() == 3) {
       param_units = assign_units(units, unit_names, unit_params);
     }
@@ -163,7 +163,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   buffers_.resize(param_groups_.size());
   device_storage_ =
       std::make_unique<DeviceShardStorage>(buffers_, *layout_, groups_->shard().rank(), device_);
-  parameter_gathers_launched_.assign(param_groups_.size(), 0);
+  parameter_gathers_ = BucketGathers(param_groups_.size());
   std::vector<at::TensorOptions> grad_options;
   for (size_t g = 0; g < buffers_.size(); ++g) {
     buffers_[g].param_options = param_options[g];
@@ -297,7 +297,6 @@ void ZeroOptimizer::Impl::install_gradient_hooks() {
 std::vector<std::vector<int64_t>> ZeroOptimizer::Impl::assign_units(
     const std::vector<ParameterUnit>& units, std::vector<std::string>& unit_names,
     std::vector<std::vector<at::Tensor>>& unit_params) {
-  const auto& index_of = param_index_;
   std::vector<std::vector<int64_t>> param_units(param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     param_units[g].assign(param_groups_[g].params().size(), kNoUnit);
@@ -309,11 +308,11 @@ std::vector<std::vector<int64_t>> ZeroOptimizer::Impl::assign_units(
         "two units are named '", unit.name, "'; unit names must be unique");
     std::vector<at::Tensor> kept;
     for (size_t p = 0; p < unit.params.size(); ++p) {
-      const auto found = index_of.find(unit.params[p].unsafeGetTensorImpl());
-      TORCH_CHECK_VALUE(found != index_of.end(), "parameter ", p, " of unit '", unit.name,
+      const auto found = param_index_.find(unit.params[p]);
+      TORCH_CHECK_VALUE(found, "parameter ", p, " of unit '", unit.name,
                         "' is not one of the optimizer's parameters; pass every parameter of "
                         "the units to the optimizer");
-      const auto [g, i] = found->second;
+      const auto [g, i] = *found;
       const int64_t numel = param_groups_[g].params()[i].numel();
       if (numel < options_.stage3_param_persistence_threshold()) {
         continue;  // persistent: stays gathered, belongs to no unit
@@ -327,16 +326,6 @@ std::vector<std::vector<int64_t>> ZeroOptimizer::Impl::assign_units(
     unit_params.push_back(std::move(kept));
   }
   return param_units;
-}
-
-void ZeroOptimizer::Impl::index_parameters() {
-  param_index_.clear();
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto& params = param_groups_[g].params();
-    for (size_t i = 0; i < params.size(); ++i) {
-      param_index_.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
-    }
-  }
 }
 
 std::vector<BucketId> ZeroOptimizer::Impl::buckets_of(const std::vector<at::Tensor>& params) const {
@@ -359,12 +348,10 @@ std::vector<BucketId> ZeroOptimizer::Impl::buckets_of(const std::vector<at::Tens
     }
     return buckets;
   }
-  const auto& index_of = param_index_;
   for (size_t p = 0; p < params.size(); ++p) {
-    const auto found = index_of.find(params[p].unsafeGetTensorImpl());
-    TORCH_CHECK_VALUE(found != index_of.end(), "tensor ", p,
-                      " is not one of this optimizer's parameters");
-    add(found->second.first, found->second.second);
+    const auto found = param_index_.find(params[p]);
+    TORCH_CHECK_VALUE(found, "tensor ", p, " is not one of this optimizer's parameters");
+    add(found->first, found->second);
   }
   return buckets;
 }

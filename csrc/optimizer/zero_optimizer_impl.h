@@ -6,9 +6,11 @@
 #pragma once
 
 #include "background_save.h"
+#include "bucket_gathers.h"
 #include "device_shard_storage.h"
 #include "group_buffers.h"
 #include "loss_scaling.h"
+#include "parameter_index.h"
 #include "stage1_gradient_copies.h"
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
@@ -103,9 +105,15 @@ class ZeroOptimizer::Impl {
   const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
   ShardState shard_state() const;
   void load_shard_state(const ShardState& state);
-  void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named);
-  std::string parameter_name(size_t group, size_t index) const;
-  std::vector<std::string> parameter_aliases(size_t group, size_t index) const;
+  void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+    param_index_.set_names(param_groups_, named);
+  }
+  std::string parameter_name(size_t group, size_t index) const {
+    return param_index_.name(group, index);
+  }
+  std::vector<std::string> parameter_aliases(size_t group, size_t index) const {
+    return param_index_.aliases(group, index);
+  }
   void save_checkpoint(const std::string& path, const CheckpointSaveOptions& options = {});
   LoadedCheckpoint load_checkpoint(const std::string& path,
                                    const CheckpointLoadOptions& options = {});
@@ -167,8 +175,6 @@ class ZeroOptimizer::Impl {
   void build_stage3_shards(size_t group);
   void install_gradient_hooks();
   void set_bucket_expectations();
-  // Fills param_index_ from param_groups_ (after validation and adoption).
-  void index_parameters();
   std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
   c10::Device device() const { return device_; }
   void validate_parameters() const;
@@ -250,9 +256,6 @@ class ZeroOptimizer::Impl {
   // Stages 1-2: launches the all-gather of group g's buckets below `end`
   // not yet launched this step (see [Note: gathers behind the update]).
   void launch_parameter_gathers(size_t g, size_t end);
-  // Drops the gathers in flight without waiting; the next launch starts
-  // from every group's first bucket.
-  void forget_parameter_gathers();
   void gather_parameters();
   // A Communicator over `group` with this optimizer's Gloo choices, for every
   // group it talks over (shard, replica, tensor-parallel).
@@ -313,10 +316,8 @@ class ZeroOptimizer::Impl {
     return offloaded_ ? static_cast<ShardStorage&>(*offloaded_) : *device_storage_;
   }
   // Stages 1-2: this step's parameter all-gathers in flight (their input is
-  // this rank's slice of flat_param), and per group how many buckets have
-  // been launched.
-  std::vector<PendingCollective> parameter_gathers_;
-  std::vector<size_t> parameter_gathers_launched_;
+  // this rank's slice of flat_param).
+  BucketGathers parameter_gathers_;
   // With offload the gradient shard holds the reduced sum and this factor
   // (1 / (world size x loss scale), times the clipping coefficient) is
   // applied inside the host kernel's one pass; 1 otherwise.
@@ -325,10 +326,9 @@ class ZeroOptimizer::Impl {
   std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
   std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only
   std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
-  // Parameter (by TensorImpl) -> (group, index): units and pins name tensors.
-  std::unordered_map<const void*, std::pair<size_t, size_t>> param_index_;
-  // Per group and parameter: its names (see set_parameter_names); may be empty.
-  std::vector<std::vector<std::vector<std::string>>> param_names_;
+  // Which parameter a tensor is (units and pins name tensors), and the
+  // parameters' names (set_parameter_names).
+  ParameterIndex param_index_;
   AsyncCheckpointSaver async_saver_;  // asynchronous checkpoint saves
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);

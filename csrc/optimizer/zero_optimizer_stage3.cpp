@@ -244,7 +244,7 @@ void ZeroOptimizer::Impl::adopt_parameters(const std::vector<std::vector<at::Ten
     param_groups_[g].params() = params[g];
     replacements_[g].assign(params[g].size(), at::Tensor());
   }
-  index_parameters();
+  param_index_.rebuild(param_groups_);
   set_bucket_expectations();
   if (uses_gradient_hooks()) {
     install_gradient_hooks();

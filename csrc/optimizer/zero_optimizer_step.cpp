@@ -65,7 +65,7 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
     } catch (...) {
       // Gathers launched before the failure are retired; a later gather
       // (a checkpoint load) must launch every bucket again.
-      forget_parameter_gathers();
+      parameter_gathers_.forget();
       throw;
     }
     gather_parameters();
@@ -114,15 +114,10 @@ void ZeroOptimizer::Impl::gather_parameters() {
       launch_parameter_gathers(g, layout_->group(g).buckets().size());
     }
   } catch (...) {
-    forget_parameter_gathers();
+    parameter_gathers_.forget();
     throw;
   }
-  // Whatever the waits do, the next gather starts from nothing.
-  std::vector<PendingCollective> pending = std::move(parameter_gathers_);
-  forget_parameter_gathers();
-  for (auto& work : pending) {
-    work.wait();
-  }
+  parameter_gathers_.wait_all();
 }
 
 // [Note: gathers behind the update]
@@ -135,15 +130,10 @@ void ZeroOptimizer::Impl::gather_parameters() {
 // with offload) and waits for all. A failed update drops the gathers it
 // launched without waiting (the other ranks then fail in theirs, bounded by
 // the process-group timeout, as with any failure between collectives).
-void ZeroOptimizer::Impl::forget_parameter_gathers() {
-  parameter_gathers_.clear();
-  std::fill(parameter_gathers_launched_.begin(), parameter_gathers_launched_.end(), 0);
-}
-
 void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
   const GroupLayout& layout = layout_->group(g);
   GroupBuffers& shard = buffers_[g];
-  for (size_t& b = parameter_gathers_launched_[g]; b < end; ++b) {
+  parameter_gathers_.launch(g, end, [&](size_t b) {
     const Bucket& bucket = layout.buckets()[b];
     // Gathered from this rank's own slice of flat_param: the fp32 master is
     // that slice (written in place by the update), a 16-bit one is rounded
@@ -157,8 +147,8 @@ void ZeroOptimizer::Impl::launch_parameter_gathers(size_t g, size_t end) {
       }
     }
     at::Tensor output = shard.flat_param.narrow(0, bucket.flat_offset, bucket.numel);
-    parameter_gathers_.push_back(groups_->shard().all_gather(output, input, bucket_tag(g, b)));
-  }
+    return groups_->shard().all_gather(output, input, bucket_tag(g, b));
+  });
 }
 
 }  // namespace zeroshard

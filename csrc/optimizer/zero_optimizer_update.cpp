@@ -20,7 +20,7 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
   // shards it writes with offload_param on NVMe.
   const bool nvme = swaps_to_nvme();
   std::string nvme_error;
-  forget_parameter_gathers();  // none is in flight between steps
+  parameter_gathers_.forget();  // none is in flight between steps
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupBuffers& shard = buffers_[g];
     const auto& group_options = param_groups_[g].options();
