@@ -181,8 +181,8 @@ ZeroOptions zero_options_from(const py::dict& values) {
     const auto key = item.first.cast<std::string>();
     const py::handle value = item.second;
     bool scalar = false;
-    for_each_scalar_zero_option(options, [&](const char* name, auto& field) {
-      if (key == name) {
+    for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& info, auto& field) {
+      if (key == info.name) {
         field = value.cast<std::decay_t<decltype(field)>>();
         scalar = true;
       }
@@ -200,8 +200,9 @@ ZeroOptions zero_options_from(const py::dict& values) {
       options.materialize_device(c10::Device(value.cast<std::string>()));
     } else {
       std::string known = "offload_optimizer, offload_param, aio, materialize_device";
-      for_each_scalar_zero_option(
-          options, [&](const char* name, const auto&) { known += std::string(", ") + name; });
+      for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& info, const auto&) {
+        known += std::string(", ") + info.name;
+      });
       TORCH_CHECK_TYPE(false, "unknown ZeRO option '", key, "'; expected one of ", known);
     }
   }
@@ -213,8 +214,17 @@ ZeroOptions zero_options_from(const py::dict& values) {
 py::dict zero_option_defaults() {
   py::dict out;
   const ZeroOptions defaults;
-  for_each_scalar_zero_option(defaults,
-                              [&](const char* name, const auto& value) { out[name] = value; });
+  for_each_scalar_zero_option(
+      defaults, [&](const ZeroOptionInfo& info, const auto& value) { out[info.name] = value; });
+  return out;
+}
+
+// Their one-line descriptions, for the Python docstring.
+py::dict zero_option_docs() {
+  py::dict out;
+  const ZeroOptions defaults;
+  for_each_scalar_zero_option(
+      defaults, [&](const ZeroOptionInfo& info, const auto&) { out[info.name] = info.doc; });
   return out;
 }
 
@@ -288,6 +298,8 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_estimator(m);
   m.def("zero_option_defaults", &zeroshard::zero_option_defaults,
         "The defaults of ZeroOptions' scalar options, by name.");
+  m.def("zero_option_docs", &zeroshard::zero_option_docs,
+        "One-line descriptions of ZeroOptions' scalar options, by name.");
   m.def(
       "optimizer_state_names",
       [] {

@@ -92,13 +92,14 @@ const Keys kZeroReadKeys = {
 Keys zero_keys() {
   Keys keys = kZeroReadKeys;
   ZeroOptions options;
-  for_each_deepspeed_zero_option(options,
-                                 [&](const char* key, const char* alias, int64_t, const auto&) {
-                                   keys.emplace_back(key);
-                                   if (*alias != '\0') {
-                                     keys.emplace_back(alias);
-                                   }
-                                 });
+  for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& info, const auto&) {
+    if (*info.deepspeed_key != '\0') {
+      keys.emplace_back(info.deepspeed_key);
+    }
+    if (*info.deepspeed_alias != '\0') {
+      keys.emplace_back(info.deepspeed_alias);
+    }
+  });
   keys.insert(keys.end(), kZeroAcceptedFlags.begin(), kZeroAcceptedFlags.end());
   keys.insert(keys.end(), kZeroAcceptedSizes.begin(), kZeroAcceptedSizes.end());
   return keys;
@@ -204,16 +205,21 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
   }
   // The scalar options DeepSpeed names: [Note: one list of the scalar
   // options] in zero_options.h gives their keys, older spellings and bounds.
-  for_each_deepspeed_zero_option(
-      out.zero, [&](const char* key, const char* alias, int64_t least, auto& value) {
-        using Value = std::decay_t<decltype(value)>;
-        const std::string read = *alias != '\0' ? aliased(zero, key, alias) : key;
-        if constexpr (std::is_same_v<Value, bool>) {
-          value = zero.boolean(read, value);
-        } else {
-          value = static_cast<Value>(zero.integer(read, static_cast<int64_t>(value), least));
-        }
-      });
+  for_each_scalar_zero_option(out.zero, [&](const ZeroOptionInfo& info, auto& value) {
+    if (*info.deepspeed_key == '\0') {
+      return;  // not a zero_optimization key
+    }
+    using Value = std::decay_t<decltype(value)>;
+    const std::string read = *info.deepspeed_alias != '\0'
+                                 ? aliased(zero, info.deepspeed_key, info.deepspeed_alias)
+                                 : info.deepspeed_key;
+    if constexpr (std::is_same_v<Value, bool>) {
+      value = zero.boolean(read, value);
+    } else {
+      value = static_cast<Value>(
+          zero.integer(read, static_cast<int64_t>(value), static_cast<int64_t>(info.least)));
+    }
+  });
   for (const auto& key : kZeroAcceptedFlags) {
     zero.boolean(key, false);
   }

@@ -20,23 +20,11 @@ void validate_zero_options(const ZeroOptions& options, int64_t world_size) {
                     options.stage(),
                     "; zeroshard implements stage 1 (optimizer state sharding), stage 2 "
                     "(optimizer state and gradient sharding) and stage 3 (parameters too)");
-  TORCH_CHECK_VALUE(options.stage3_prefetch_bucket_size() >= 0,
-                    "stage3_prefetch_bucket_size must be >= 0 elements, got ",
-                    options.stage3_prefetch_bucket_size());
-  TORCH_CHECK_VALUE(options.stage3_param_persistence_threshold() >= 0,
-                    "stage3_param_persistence_threshold must be >= 0 elements, got ",
-                    options.stage3_param_persistence_threshold());
-  TORCH_CHECK_VALUE(options.stage3_max_live_parameters() >= 0,
-                    "stage3_max_live_parameters must be >= 0 elements, got ",
-                    options.stage3_max_live_parameters());
-  TORCH_CHECK_VALUE(options.max_norm() >= 0, "max_norm must be >= 0 (0 turns clipping off), got ",
-                    options.max_norm());
-  TORCH_CHECK_VALUE(options.max_buckets_in_flight() >= 1,
-                    "max_buckets_in_flight must be >= 1, got ", options.max_buckets_in_flight());
-  TORCH_CHECK_VALUE(options.reduce_bucket_size() >= 1,
-                    "reduce_bucket_size must be >= 1 element, got ", options.reduce_bucket_size());
-  TORCH_CHECK_VALUE(options.sub_group_size() > 0, "sub_group_size must be > 0 elements, got ",
-                    options.sub_group_size());
+  // The scalar options' ranges: [Note: one list of the scalar options].
+  for_each_scalar_zero_option(options, [](const ZeroOptionInfo& info, const auto& value) {
+    TORCH_CHECK_VALUE(*info.rule == '\0' || static_cast<double>(value) >= info.least, info.name,
+                      " must be ", info.rule, ", got ", value);
+  });
   check_aio_options(options.aio());
   const std::pair<const char*, const OffloadOptions*> offloads[] = {
       {"offload_optimizer", &options.offload_optimizer()},

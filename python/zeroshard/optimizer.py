@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import inspect
 import itertools
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,27 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
+
+
+_SCALAR_OPTIONS_MARK = "        <the scalar ZeRO options: _document_scalar_options fills them in>\n"
+
+
+def _document_scalar_options(cls: type) -> type:
+    """Writes the scalar ZeRO options' entries into the class docstring from the
+    core's one list of them ([Note: one list of the scalar options]), so the
+    C++ options, the config reader and this docstring describe them alike."""
+    entries = []
+    for name, doc in _C.zero_option_docs().items():
+        entries += textwrap.wrap(
+            f"{name}: {doc}.",
+            width=80,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 12,
+            break_on_hyphens=False,
+        )
+    assert cls.__doc__ is not None and _SCALAR_OPTIONS_MARK in cls.__doc__
+    cls.__doc__ = cls.__doc__.replace(_SCALAR_OPTIONS_MARK, "\n".join(entries) + "\n")
+    return cls
 
 
 def _unknown_keywords_message(unknown: list[str], kind: str) -> str:
@@ -129,20 +151,14 @@ def _checkpoint_prefix() -> str:
     return f"zeroshard/checkpoints/optimizer{next(_optimizers_built)}"
 
 
+@_document_scalar_options
 class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
         params: parameters or parameter-group dicts, as for any torch.optim optimizer.
         optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
-        stage: ZeRO stage. 1 shards the optimizer state; gradients are
-            averaged inside ``step()``. 2 also shards the gradients: autograd
-            hooks reduce-scatter them bucket by bucket during backward and
-            release each parameter's ``.grad``, so after backward ``.grad`` is
-            None and each rank holds only its gradient shard.
-            3 also shards the parameters: each rank keeps 1/N of every
-            parameter; a unit's parameters are all-gathered just before its
-            forward and backward and freed right after (needs ``module=``).
+        <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
         device_mesh: instead of ``process_group``: a 1-D ``DeviceMesh`` to
@@ -163,33 +179,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             one module's direct parameters in place, called in
             ``Module.apply`` order (default: ``module.reset_parameters()``).
         materialize_device: stage 3: where meta parameters are materialized.
-        stage3_prefetch_bucket_size: elements the prefetch may gather ahead.
-        stage3_param_persistence_threshold: parameters with fewer elements
-            stay gathered.
-        stage3_max_live_parameters: gathered elements beyond which prefetch stops.
-        check_collective_order: stage 3: ranks agree on each gather and
-            gradient reduction before issuing it, so they may run different
-            modules (data-dependent routing, a branch on one rank, a module
-            called twice here and once there), and compare every other
-            collective, so a real divergence raises instead of hanging.
-            Collectives of your own inside a forward whose modules differ
-            between ranks (an expert-parallel all-to-all) need the block that
-            issues them to be one unit (``set_leaf_modules``). False: every
-            rank must run the same modules in the same order.
-        skip_nonfinite_steps: a step whose gradients hold inf/NaN on any rank
-            is skipped on every rank (see ``last_step_skipped()``).
-        reduce_in_fp32: 16-bit parameters: reduce gradients in fp32.
-        gloo_reduce_scatter_all_to_all: on Gloo (no native reduce-scatter),
-            reduce-scatter with one all-to-all and a local sum, moving each
-            element once, instead of c10d's all-reduce emulation (twice the
-            bytes). No effect on NCCL.
-        gloo_all_gather_broadcasts: on Gloo, all-gather parameters with one
-            in-place broadcast per rank instead of Gloo's allgather, which
-            receives into a buffer of its own and copies it out. No effect on
-            NCCL.
-        stage1_reduce_in_backward: stage 1 reduce-scatters during backward
-            (with ``overlap_comm``) while keeping ``.grad``; holds the gradient
-            shard from backward to the step. Off by default.
         offload_optimizer: where the optimizer state (fp32 master, moments)
             and the step live: ``"cpu"`` or DeepSpeed's section as a dict
             (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``, or
@@ -207,9 +196,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             ``buffer_count`` buckets of at most ``buffer_size`` elements),
             the first ``max_in_cpu`` elements kept in host memory. Needs
             ``offload_optimizer``.
-        sub_group_size: elements per optimizer sub-group (DeepSpeed's key):
-            with offload the step runs sub-group by sub-group, and host
-            staging buffers are one sub-group in size.
         aio: NVMe I/O settings, DeepSpeed's ``aio`` section (``block_size``,
             ``queue_depth``, ``intra_op_parallelism``, ``single_submit``,
             ``overlap_events``) plus ``use_io_uring`` (False: the thread pool).
@@ -217,18 +203,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             stalls past the process group's timeout), how long this rank waits
             for the others to report the failure through the group's store;
             the error names the ranks that did not.
-        reduce_bucket_size: elements per gradient bucket (DeepSpeed's key; the
-            default 5e6 lets stage 2 overlap backward, where DeepSpeed's 5e8
-            makes most models a single bucket).
-        broadcast_from_rank: rank whose initial parameters every rank adopts.
-        max_norm: clip gradients to this global L2 norm inside ``step()``
-            (None: no clipping); see also ``clip_grad_norm_``.
-        max_buckets_in_flight: gradient buckets whose collectives may be
-            outstanding at once (bounds staging memory).
-        overlap_comm: stage 2 launches each bucket's reduce-scatter as soon as
-            it is complete, during backward; False waits for the end of backward.
-        gradient_divide_factor: what the summed gradients are divided by
-            (FSDP2's name); None: the data-parallel world size (the mean).
         expert_parallel_group: for an optimizer of expert parameters under
             expert parallelism (each rank of this group holds other experts;
             ``process_group`` is the expert-data-parallel group, the ranks
@@ -250,9 +224,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             is across expert-parallel ranks (``"layers.0.expert5.w1"``, not
             the local ``"experts.1.w1"``); the checkpoint then loads at any
             expert-parallel degree.
-        fused: Adam/AdamW through ATen's fused kernel, as torch.optim's
-            ``fused=True`` (same results as ``torch.optim.AdamW(fused=True)``;
-            several times faster on CPU than the default path).
         **optimizer_kwargs: the inner optimizer's hyper-parameters (lr, betas,
             eps, weight_decay, amsgrad; or lr, momentum, dampening,
             weight_decay, nesterov for SGD).

@@ -1,4 +1,5 @@
 #include "zeroshard/deepspeed_config.h"
+#include "zeroshard/zero_options.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <fstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace zeroshard {
 namespace {
@@ -50,6 +52,45 @@ json Config(const json& patch) {
     EXPECT_NE(message_.find(text), std::string::npos)                  \
         << "expected \"" << (text) << "\" in the error: " << message_; \
   } while (0)
+
+// [Note: one list of the scalar options]: each option's range is stated
+// once. Just below its least value, the optimizer's check raises the rule it
+// states, and where a DeepSpeed key sets it the config reader refuses the
+// same value under that key; at its least value both accept it.
+TEST(DeepSpeedConfigTest, EveryRangedOptionIsRefusedBelowItsLeastValueByBothReaders) {
+  int ranged = 0;
+  const ZeroOptions defaults;
+  for_each_scalar_zero_option(defaults, [&](const ZeroOptionInfo& info, const auto&) {
+    if (*info.rule == '\0') {
+      return;
+    }
+    ++ranged;
+    for (const double value : {info.least - 1, info.least}) {
+      ZeroOptions options;
+      for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& each, auto& field) {
+        if (std::string(each.name) == info.name) {
+          field = static_cast<std::decay_t<decltype(field)>>(value);
+        }
+      });
+      const std::string error = ErrorOf([&] { validate_zero_options(options, 1); });
+      if (value < info.least) {
+        EXPECT_ERROR_HAS(error, std::string(info.name) + " must be " + info.rule + ", got ");
+      } else {
+        EXPECT_EQ(error, "") << info.name;
+      }
+      if (*info.deepspeed_key != '\0') {
+        const std::string parsed = ParseError(
+            Config({{"zero_optimization", {{info.deepspeed_key, static_cast<int64_t>(value)}}}}));
+        if (value < info.least) {
+          EXPECT_ERROR_HAS(parsed, info.deepspeed_key);
+        } else {
+          EXPECT_EQ(parsed, "") << info.deepspeed_key;
+        }
+      }
+    }
+  });
+  EXPECT_EQ(ranged, 7);  // reduce_bucket_size ... stage3_max_live_parameters
+}
 
 TEST(DeepSpeedConfigTest, SeedZero3ConfigLoadsUnchanged) {
   const json seed = json::parse(kSeedConfig);

@@ -1,7 +1,8 @@
 """ZeroOptions' scalar options come from one list in the core ([Note: one
 list of the scalar options] in zero_options.h): every one of them is a
-keyword argument of the Python ZeroOptimizer with the core's default, and the
-list names every scalar TORCH_ARG of ZeroOptions."""
+keyword argument of the Python ZeroOptimizer with the core's default and is
+documented in its docstring by the core's description, and the list names
+every scalar TORCH_ARG of ZeroOptions."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def test_the_list_names_every_scalar_option_of_the_struct() -> None:
     scalar = set(re.findall(r"TORCH_ARG\((?:int64_t|double|bool), (\w+)\)", struct))
     assert len(scalar) > 10
     assert scalar == set(_C.zero_option_defaults()), scalar ^ set(_C.zero_option_defaults())
+
+
+def test_the_docstring_documents_every_scalar_option_once_with_the_cores_words() -> None:
+    doc = ZeroOptimizer.__doc__ or ""
+    flat = " ".join(doc.split())
+    for name, description in _C.zero_option_docs().items():
+        entries = re.findall(rf"^        {name}: ", doc, flags=re.MULTILINE)
+        assert len(entries) == 1, (name, len(entries))
+        assert f"{name}: {description}." in flat, name
+    assert "_document_scalar_options" not in doc  # the mark was filled in

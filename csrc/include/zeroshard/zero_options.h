@@ -108,57 +108,95 @@ struct ZeroOptions {
 };
 
 // [Note: one list of the scalar options]
-// The scalar options above (numbers and flags), by name, once. The Python
-// binding reads keyword arguments through it and exports the defaults
-// (zeroshard._C.zero_option_defaults(), which the Python signature uses), so
-// a scalar option is declared by its TORCH_ARG above and one line here; a
-// test checks that ZeroOptimizer's Python signature agrees. The DeepSpeed
-// config reader reads the options that have a zero_optimization key through
-// it too: X(name, key, older spelling or "", least value accepted). The
-// structured options (offload_optimizer, offload_param, aio,
-// materialize_device) and the stage (which may be "auto") have readers of
-// their own.
-#define ZEROSHARD_SCALAR_ZERO_OPTIONS(X)                                                   \
-  X(stage, "", "", 0)                                                                      \
-  X(reduce_bucket_size, "reduce_bucket_size", "", 1)                                       \
-  X(max_norm, "", "", 0) /* DeepSpeed's top-level gradient_clipping */                     \
-  X(overlap_comm, "overlap_comm", "", 0)                                                   \
-  X(max_buckets_in_flight, "", "", 1)                                                      \
-  X(fused, "", "", 0)                                                                      \
-  X(reduce_in_fp32, "", "", 0)                                                             \
-  X(gloo_reduce_scatter_all_to_all, "", "", 0)                                             \
-  X(gloo_all_gather_broadcasts, "", "", 0)                                                 \
-  X(stage1_reduce_in_backward, "", "", 0)                                                  \
-  X(skip_nonfinite_steps, "", "", 0)                                                       \
-  X(broadcast_from_rank, "", "", 0)                                                        \
-  X(gradient_divide_factor, "", "", 0)                                                     \
-  X(sub_group_size, "sub_group_size", "", 1)                                               \
-  X(stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size", "prefetch_bucket_size", 0) \
-  X(stage3_param_persistence_threshold, "stage3_param_persistence_threshold",              \
-    "param_persistence_threshold", 0)                                                      \
-  X(stage3_max_live_parameters, "stage3_max_live_parameters", "max_live_parameters", 0)    \
-  X(check_collective_order, "", "", 0)
+// The scalar options above (numbers and flags), by name, once, with what
+// every reader of them needs:
+//   X(name, DeepSpeed zero_optimization key or "", its older spelling or "",
+//     least value accepted, that rule as the error message says it or "" for
+//     no range, a one-line description for users)
+// The Python binding reads keyword arguments through it and exports the
+// defaults and descriptions (zeroshard._C.zero_option_defaults() and
+// zero_option_docs(): the Python signature and docstring use them); the
+// DeepSpeed config reader reads the keys and bounds; validate_zero_options
+// checks the rules. So a scalar option is declared by its TORCH_ARG above
+// and one line here; tests check that the Python signature and docstring
+// agree. The structured options (offload_optimizer, offload_param, aio,
+// materialize_device) have readers of their own; the stage (which may be
+// "auto" in a config, and whose message lists the stages) its own check.
+#define ZEROSHARD_SCALAR_ZERO_OPTIONS(X)                                                         \
+  X(stage, "", "", 1, "",                                                                        \
+    "ZeRO stage. 1 shards the optimizer state; gradients are averaged inside step(). 2 also "    \
+    "shards the gradients: autograd hooks reduce-scatter them bucket by bucket during backward " \
+    "and release each parameter's .grad, so after backward each rank holds only its gradient "   \
+    "shard. 3 also shards the parameters: a unit's parameters are all-gathered just before its " \
+    "forward and backward and freed right after")                                                \
+  X(reduce_bucket_size, "reduce_bucket_size", "", 1, ">= 1 element",                             \
+    "elements per gradient bucket (DeepSpeed's key; the default 5e6 lets stage 2 overlap "       \
+    "backward, where DeepSpeed's 5e8 makes most models a single bucket); also the all-gather "   \
+    "granularity of updated parameters")                                                         \
+  X(max_norm, "", "", 0, ">= 0 (0 turns clipping off)",                                          \
+    "clip gradients to this global L2 norm inside step(); 0 (Python: None) turns clipping off")  \
+  X(overlap_comm, "overlap_comm", "", 0, "",                                                     \
+    "stage 2 launches each bucket's reduce-scatter as soon as it is complete, during "           \
+    "backward; false waits for the end of backward")                                             \
+  X(max_buckets_in_flight, "", "", 1, ">= 1",                                                    \
+    "gradient buckets whose collectives may be outstanding at once (bounds staging memory)")     \
+  X(fused, "", "", 0, "",                                                                        \
+    "Adam/AdamW through ATen's fused kernel, as torch.optim's fused=True (the same results; "    \
+    "several times faster on CPU than the default path)")                                        \
+  X(reduce_in_fp32, "", "", 0, "", "16-bit parameters: bucket and reduce gradients in fp32")     \
+  X(gloo_reduce_scatter_all_to_all, "", "", 0, "",                                               \
+    "on Gloo (no native reduce-scatter), reduce-scatter with one all-to-all and a local sum, "   \
+    "moving each element once, instead of c10d's all-reduce emulation (twice the bytes). No "    \
+    "effect on NCCL")                                                                            \
+  X(gloo_all_gather_broadcasts, "", "", 0, "",                                                   \
+    "on Gloo, all-gather parameters with one in-place broadcast per rank instead of Gloo's "     \
+    "allgather, which receives into a buffer of its own and copies it out. No effect on NCCL")   \
+  X(stage1_reduce_in_backward, "", "", 0, "",                                                    \
+    "stage 1 reduce-scatters during backward (with overlap_comm) while keeping .grad; holds "    \
+    "the gradient shard from backward to the step. Off by default")                              \
+  X(skip_nonfinite_steps, "", "", 0, "",                                                         \
+    "a step whose gradients hold inf/NaN on any rank is skipped on every rank (see "             \
+    "last_step_skipped())")                                                                      \
+  X(broadcast_from_rank, "", "", 0, "", "rank whose initial parameters every rank adopts")       \
+  X(gradient_divide_factor, "", "", 0, "",                                                       \
+    "what the summed gradients are divided by (FSDP2's name); 0 (Python: None): the "            \
+    "data-parallel world size (the mean)")                                                       \
+  X(sub_group_size, "sub_group_size", "", 1, "> 0 elements",                                     \
+    "elements per optimizer sub-group (DeepSpeed's key): with offload the step runs sub-group "  \
+    "by sub-group, and host staging buffers are one sub-group in size")                          \
+  X(stage3_prefetch_bucket_size, "stage3_prefetch_bucket_size", "prefetch_bucket_size", 0,       \
+    ">= 0 elements", "stage 3: elements the prefetch may gather ahead of the unit running now")  \
+  X(stage3_param_persistence_threshold, "stage3_param_persistence_threshold",                    \
+    "param_persistence_threshold", 0, ">= 0 elements",                                           \
+    "stage 3: parameters with fewer elements stay gathered (biases, norms)")                     \
+  X(stage3_max_live_parameters, "stage3_max_live_parameters", "max_live_parameters", 0,          \
+    ">= 0 elements", "stage 3: gathered elements beyond which prefetching stops")                \
+  X(check_collective_order, "", "", 0, "",                                                       \
+    "stage 3: ranks agree on each gather and gradient reduction before issuing it, so they "     \
+    "may run different modules (data-dependent routing, a branch on one rank, a module called "  \
+    "twice here and once there), and compare every other collective, so a real divergence "      \
+    "raises instead of hanging. Collectives of your own inside a forward whose modules differ "  \
+    "between ranks (an expert-parallel all-to-all) need the block that issues them to be one "   \
+    "unit (set_leaf_modules). False: every rank must run the same modules in the same order")
 
-// Calls visit(name, value) for each scalar option, `value` a reference to
-// the option's field (const when `options` is).
+// What the list above says of one option.
+struct ZeroOptionInfo {
+  const char* name;
+  const char* deepspeed_key;    // "" where a DeepSpeed config does not set it
+  const char* deepspeed_alias;  // its older spelling, or ""
+  double least;                 // the smallest value accepted
+  const char* rule;             // the range as messages say it; "": not checked
+  const char* doc;
+};
+
+// Calls visit(info, value) for each scalar option, `value` a reference to the
+// option's field (const when `options` is).
 template <typename Options, typename Visitor>
 void for_each_scalar_zero_option(Options& options, Visitor&& visit) {
-#define ZEROSHARD_VISIT_ZERO_OPTION(name, key, alias, least) visit(#name, options.name());
+#define ZEROSHARD_VISIT_ZERO_OPTION(name, key, alias, least, rule, doc) \
+  visit(ZeroOptionInfo{#name, key, alias, static_cast<double>(least), rule, doc}, options.name());
   ZEROSHARD_SCALAR_ZERO_OPTIONS(ZEROSHARD_VISIT_ZERO_OPTION)
 #undef ZEROSHARD_VISIT_ZERO_OPTION
-}
-
-// Calls visit(key, alias, least, value) for each scalar option a DeepSpeed
-// config sets under zero_optimization (key: its name there; alias: its older
-// spelling or ""; least: the smallest value accepted).
-template <typename Options, typename Visitor>
-void for_each_deepspeed_zero_option(Options& options, Visitor&& visit) {
-#define ZEROSHARD_VISIT_DEEPSPEED_OPTION(name, key, alias, least)   \
-  if (*(key) != '\0') {                                             \
-    visit(key, alias, static_cast<int64_t>(least), options.name()); \
-  }
-  ZEROSHARD_SCALAR_ZERO_OPTIONS(ZEROSHARD_VISIT_DEEPSPEED_OPTION)
-#undef ZEROSHARD_VISIT_DEEPSPEED_OPTION
 }
 
 // Throws, naming the value and what is expected, if an option is invalid.
