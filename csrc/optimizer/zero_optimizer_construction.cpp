@@ -365,10 +365,6 @@ const at::Tensor& ZeroOptimizer::Impl::flat_parameters(size_t group) const {
   return buffers_[group].flat_param;
 }
 
-int64_t ZeroOptimizer::Impl::optimizer_state_bytes() const {
-  return storage().bytes(StateTier::kDevice) + storage().bytes(StateTier::kHost);
-}
-
 void ZeroOptimizer::Impl::check_groups_fixed() const {
   // torch::optim::Optimizer::add_param_group is not virtual: a group added
   // after construction has no place in the partition layout.

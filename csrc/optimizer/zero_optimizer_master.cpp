@@ -81,27 +81,4 @@ void ZeroOptimizer::Impl::refresh_parameters_from_master() {
   }
 }
 
-int64_t ZeroOptimizer::Impl::device_model_state_bytes() const {
-  int64_t bytes = gathered_parameter_bytes() + gradient_bytes();
-  for (const auto& shard : buffers_) {
-    if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kDevice) {
-      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
-    }
-  }
-  return bytes + storage().bytes(StateTier::kDevice);
-}
-
-int64_t ZeroOptimizer::Impl::host_model_state_bytes() const {
-  int64_t bytes = storage().bytes(StateTier::kHost);
-  if (param_swapper_) {
-    bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
-  }
-  for (const auto& shard : buffers_) {
-    if (shard.param_shard.defined() && placement_->parameter_tier() == StateTier::kHost) {
-      bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
-    }
-  }
-  return bytes + host_gradient_bytes();
-}
-
 }  // namespace zeroshard

@@ -4,7 +4,8 @@
 // gradient norm (pieces of a split tensor add up across the group, copies of
 // a replicated one count once) and the step's skip decision (a non-finite
 // gradient in one piece must skip the step on every piece, or the copies
-// drift apart).
+// drift apart); both are in zero_optimizer_clipping.cpp. Here: setting the
+// group, and where each piece sits in its unsplit tensor for checkpoints.
 #include "zero_optimizer_impl.h"
 
 #include "../checkpoint/checkpoint_detail.h"
@@ -86,16 +87,6 @@ void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
   }
   hooks_->track_current_backward();
   on_gradient(group, index, param_groups_[group].params()[index]);
-}
-
-at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor squares) {
-  if (groups_->model_parallel()) {
-    at::Tensor pieces = squares.narrow(0, 0, 1).clone();
-    groups_->model_parallel()->all_reduce_sum(
-        pieces, std::string(groups_->model_parallel_tag()) + "grad_norm");
-    squares.narrow(0, 0, 1).copy_(pieces);
-  }
-  return squares.sum();
 }
 
 // ---- Checkpoints: every state is stored in its unsplit tensor's element
