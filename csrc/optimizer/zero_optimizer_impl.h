@@ -45,6 +45,8 @@
 
 namespace zeroshard {
 
+class CheckpointReader;
+
 class ZeroOptimizer::Impl {
  public:
   using LossClosure = torch::optim::Optimizer::LossClosure;
@@ -206,6 +208,12 @@ class ZeroOptimizer::Impl {
   void refresh_parameters_from_master();
   at::TensorOptions fp32_options() const;
   nlohmann::json checkpoint_index_skeleton(const CheckpointSaveOptions& options) const;
+  // After every rank read a checkpoint without error: every rank read the
+  // same index, and under tensor/expert parallelism the ranks agree on the
+  // saved grouping and every saved parameter is held by some rank. Raises on
+  // every rank otherwise, before anything is loaded.
+  void check_checkpoint_agreement(const CheckpointReader& reader, const std::string& index_crc,
+                                  bool same_grouping, bool with_state);
   // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
   // where parameter (g, i) sits in its unsplit tensor; whether this rank
   // writes it (a copy is written by tensor-parallel rank 0 only); an error
