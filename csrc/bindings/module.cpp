@@ -298,6 +298,7 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_estimator(m);
   m.def("zero_option_defaults", &zeroshard::zero_option_defaults,
         "The defaults of ZeroOptions' scalar options, by name.");
+  m.attr("OFFLOAD_PARAM_BUFFER_COUNT") = zeroshard::kOffloadParamBufferCount;
   m.def("zero_option_docs", &zeroshard::zero_option_docs,
         "One-line descriptions of ZeroOptions' scalar options, by name.");
   m.def(

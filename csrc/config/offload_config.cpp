@@ -31,23 +31,28 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     (optimizer ? out.offload_optimizer_auto : out.offload_param_auto) = true;
   }
   *written = device == "auto" ? OffloadDevice::kNone : parse_offload_device(device);
+  // What the section leaves out keeps OffloadOptions' defaults (DeepSpeed's),
+  // but for offload_param's buffer_count: DeepSpeed's is 5 there.
   OffloadOptions options;
-  options.nvme_path(s.string("nvme_path", ""));
-  options.buffer_count(s.integer("buffer_count", optimizer ? 4 : 5, 0));
+  if (!optimizer) {
+    options.buffer_count(kOffloadParamBufferCount);
+  }
+  options.nvme_path(s.string("nvme_path", options.nvme_path()));
+  options.buffer_count(s.integer("buffer_count", options.buffer_count(), 0));
   options.pin_memory(s.boolean("pin_memory", pin_default));
   if (optimizer) {
-    options.pipeline_read(s.boolean("pipeline_read", true));
-    options.pipeline_write(s.boolean("pipeline_write", true));
+    options.pipeline_read(s.boolean("pipeline_read", options.pipeline_read()));
+    options.pipeline_write(s.boolean("pipeline_write", options.pipeline_write()));
     // zeroshard's own key: the gradient shard in the swap space too.
-    options.swap_gradients(s.boolean("swap_gradients", false));
+    options.swap_gradients(s.boolean("swap_gradients", options.swap_gradients()));
     for (const char* flag_key : {"fast_init", "super_offload", "convert_grad_on_cpu"}) {
       s.boolean(flag_key, false);
     }
-    options.ratio(s.number("ratio", 1, 0, 1));
+    options.ratio(s.number("ratio", options.ratio(), 0, 1));
     s.number("cpuadam_cores_perc", 0.8, 0, 1);
   } else {
-    options.buffer_size(s.integer("buffer_size", 100000000, 0));
-    options.max_in_cpu(s.integer("max_in_cpu", 1000000000, 0));
+    options.buffer_size(s.integer("buffer_size", options.buffer_size(), 0));
+    options.max_in_cpu(s.integer("max_in_cpu", options.max_in_cpu(), 0));
   }
   if (device == "nvme") {
     TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from zeroshard import _C
+
 # DeepSpeed's keys of each section that zeroshard reads; the NVMe tuning keys
 # are accepted so that a DeepSpeed section can be passed unchanged.
 _OPTIMIZER_KEYS = {
@@ -75,7 +77,8 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
             out[key] = int(item)
     out.setdefault("device", "none")
     if which == "offload_param":
-        out.setdefault("buffer_count", 5)  # DeepSpeed's default for this section
+        # DeepSpeed's default for this section (offload_optimizer's is 4).
+        out.setdefault("buffer_count", _C.OFFLOAD_PARAM_BUFFER_COUNT)
     return out
 
 

@@ -20,6 +20,11 @@ enum class OffloadDevice { kNone, kCPU, kNVMe };
 OffloadDevice parse_offload_device(const std::string& name);
 const char* offload_device_name(OffloadDevice device);
 
+// DeepSpeed's buffer_count for an offload_param section that leaves it out
+// (the config reader and the Python layer give it there; 4 is
+// offload_optimizer's).
+constexpr int64_t kOffloadParamBufferCount = 5;
+
 struct OffloadOptions {
   TORCH_ARG(OffloadDevice, device) = OffloadDevice::kNone;
   // Host buffers in page-locked memory, so device copies run asynchronously
@@ -32,7 +37,7 @@ struct OffloadOptions {
   // buffers (offload_optimizer: sub-groups resident in host memory during the
   // step), their size (offload_param) and the parameter elements kept in CPU
   // memory (offload_param.max_in_cpu).
-  TORCH_ARG(int64_t, buffer_count) = 4;
+  TORCH_ARG(int64_t, buffer_count) = 4;  // offload_param: kOffloadParamBufferCount
   TORCH_ARG(int64_t, buffer_size) = 100000000;
   TORCH_ARG(int64_t, max_in_cpu) = 1000000000;
   TORCH_ARG(std::string, nvme_path) = "";
