@@ -6,7 +6,7 @@
 // checkpoint format; knows nothing of the optimizer. Internal.
 #pragma once
 
-#include "zeroshard/offloaded_optimizer_state.h"
+#include "zeroshard/optimizer_states.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/safetensors.h"
 #include "zeroshard/tensor_parallel_split.h"

@@ -31,8 +31,9 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
     (optimizer ? out.offload_optimizer_auto : out.offload_param_auto) = true;
   }
   *written = device == "auto" ? OffloadDevice::kNone : parse_offload_device(device);
-  // What the section leaves out keeps OffloadOptions' defaults (DeepSpeed's),
-  // but for offload_param's buffer_count: DeepSpeed's is 5 there.
+  // What the section leaves out keeps OffloadOptions' defaults (DeepSpeed's,
+  // but for the NVMe pipelining, on unless pipeline_read/pipeline_write say
+  // false), and offload_param's buffer_count is DeepSpeed's 5 there.
   OffloadOptions options;
   if (!optimizer) {
     options.buffer_count(kOffloadParamBufferCount);

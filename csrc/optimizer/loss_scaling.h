@@ -18,8 +18,8 @@ class LossScaling {
                       scale);
     loss_scale_ = scale;
   }
-  // The next step is skipped on every rank (its flag travels in the step's
-  // agreement).
+  // The next step is skipped, whatever its gradients: every rank must ask
+  // alike (the flag is this rank's own; see ZeroOptimizer::skip_next_step).
   void request_skip() { skip_requested_ = true; }
   // Records the step's outcome from whether any rank's gradients overflowed;
   // returns whether it is skipped (an overflow or a requested skip).

@@ -130,6 +130,9 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     }
   } catch (const std::exception& e) {
     error = message_of(e);
+    if (error.empty()) {  // an agreement must see it: the reader may not exist
+      error = "reading it failed with an exception that has no message";
+    }
   }
   // Replicas load the same files: an error on any rank of any group stops
   // every rank before anything changes.
@@ -200,12 +203,24 @@ void ZeroOptimizer::Impl::check_checkpoint_agreement(const CheckpointReader& rea
                                                      bool same_grouping, bool with_state) {
   const std::string& path = reader.path();
   // Every rank must have read the same checkpoint (a file system that is not
-  // shared, or caches a replaced `latest`/index, would mix two).
-  const auto crcs = groups_->all_gather_among_writers(index_crc, "checkpoint_index");
+  // shared, or caches a replaced `latest`/index, would mix two): compared
+  // among the writers and across replicas (often on other nodes), and the
+  // verdict agreed over every group, so that all raise together.
+  auto all_equal = [](const std::vector<std::string>& all) {
+    return std::all_of(all.begin(), all.end(), [&](const auto& c) { return c == all[0]; });
+  };
+  bool same = all_equal(groups_->all_gather_among_writers(index_crc, "checkpoint_index"));
+  if (groups_->replica() != nullptr) {
+    same = all_equal(all_gather_strings(*groups_->replica(), index_crc, device(),
+                                        "replicas/checkpoint_index")) &&
+           same;
+  }
   TORCH_CHECK_VALUE(
-      std::all_of(crcs.begin(), crcs.end(), [&](const auto& c) { return c == crcs[0]; }),
+      groups_->agree(same ? "" : "another index.json", "checkpoint_index_verdict").empty(),
       "the ranks read different index.json files for checkpoint ", path,
       " (it must be on a file system every rank sees alike); nothing was loaded");
+  // With every index the same, the verdicts below are computed from the same
+  // data on every replica: each replica's writers raise alike.
   if (!groups_->model_parallel()) {
     return;
   }

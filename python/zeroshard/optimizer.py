@@ -69,6 +69,8 @@ def _document_scalar_options(cls: type) -> type:
     """Writes the scalar ZeRO options' entries into the class docstring from the
     core's one list of them ([Note: one list of the scalar options]), so the
     C++ options, the config reader and this docstring describe them alike."""
+    if cls.__doc__ is None:  # python -OO strips docstrings
+        return cls
     entries = []
     for name, doc in _C.zero_option_docs().items():
         entries += textwrap.wrap(

@@ -362,6 +362,42 @@ def test_hybrid_checkpoint_resumes_bitwise_and_loads_unsharded(tmp_path, async_s
     assert len(files) == SHARD, files
 
 
+def _replicas_read_different_checkpoints(rank: int, world_size: int, root: str) -> str:
+    groups = _groups("groups")
+    model = make_model(seed=0)
+    optimizer = _make(model, 2, groups)
+    for step in range(2):
+        optimizer.zero_grad()
+        _loss(model, step, rank, world_size).backward()
+        optimizer.step()
+        optimizer.save_checkpoint(os.path.join(root, f"step{step}"))
+    # What a node whose file system lags behind sees: replica 1 (ranks 2 and
+    # 3) reads the older checkpoint. Each replica's ranks agree among
+    # themselves; only a comparison across replicas tells the two apart.
+    before = snapshot(model)
+    older = rank >= SHARD
+    try:
+        optimizer.load_checkpoint(os.path.join(root, "step0" if older else "step1"))
+    except ValueError as error:
+        assert max_abs_diff(snapshot(model), before) == 0.0  # nothing was loaded
+        return str(error)
+    return ""
+
+
+def test_replicas_that_read_different_checkpoints_fail_together_loading_nothing(
+    tmp_path,
+) -> None:
+    # Before, the index was compared within each replica only: both replicas
+    # loaded, each its own step, and went on training apart.
+    for rank, message in enumerate(
+        unwrap(run_ranks(WORLD, _replicas_read_different_checkpoints, str(tmp_path)))
+    ):
+        assert "the ranks read different index.json files for checkpoint" in message, (
+            rank,
+            message,
+        )
+
+
 # ---- Groups that do not make replicas ------------------------------------------------
 
 

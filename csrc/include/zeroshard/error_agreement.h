@@ -27,8 +27,9 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 std::string combined_error(const std::vector<std::string>& errors);
 
 // A group an error agreement spans, the prefix of its collectives' tags, and
-// what a rank's number in it is called in messages ("" for the first group:
-// "rank"; "replica", "tensor-parallel rank" for the others).
+// what a rank's number in it is called in messages ("replica",
+// "tensor-parallel rank"; "" for the shard group: "rank" when it is the only
+// group present, "shard rank" beside others).
 struct AgreementGroup {
   Communicator* comm = nullptr;  // null: not part of the scope
   std::string tag_prefix;

@@ -128,13 +128,14 @@ struct ZeroOptions {
     "shards the gradients: autograd hooks reduce-scatter them bucket by bucket during backward " \
     "and release each parameter's .grad, so after backward each rank holds only its gradient "   \
     "shard. 3 also shards the parameters: a unit's parameters are all-gathered just before its " \
-    "forward and backward and freed right after")                                                \
+    "forward and backward and freed right after (Python: needs module=)")                        \
   X(reduce_bucket_size, "reduce_bucket_size", "", 1, ">= 1 element",                             \
     "elements per gradient bucket (DeepSpeed's key; the default 5e6 lets stage 2 overlap "       \
     "backward, where DeepSpeed's 5e8 makes most models a single bucket); also the all-gather "   \
     "granularity of updated parameters")                                                         \
   X(max_norm, "", "", 0, ">= 0 (0 turns clipping off)",                                          \
-    "clip gradients to this global L2 norm inside step(); 0 (Python: None) turns clipping off")  \
+    "clip gradients to this global L2 norm inside step(); 0 (Python: None) turns clipping "      \
+    "off; see also clip_grad_norm_")                                                             \
   X(overlap_comm, "overlap_comm", "", 0, "",                                                     \
     "stage 2 launches each bucket's reduce-scatter as soon as it is complete, during "           \
     "backward; false waits for the end of backward")                                             \
