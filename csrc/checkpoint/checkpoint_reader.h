@@ -19,6 +19,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace zeroshard {
@@ -39,6 +40,9 @@ class CheckpointReader {
 
   const std::string& path() const { return path_; }
   const nlohmann::json& index() const { return index_; }
+  // The index itself, without a copy (it can hold every parameter's pieces):
+  // the reader is done after it.
+  nlohmann::json release_index() && { return std::move(index_); }
 
   // Finds each parameter (per group) among the saved ones; throws "checkpoint
   // ... is of another model", naming the first differences, where one is

@@ -226,20 +226,7 @@ at::Tensor OffloadedOptimizerState::read(size_t g, OptimizerStateName name, int6
 void OffloadedOptimizerState::write(size_t g, OptimizerStateName name, int64_t offset,
                                     const at::Tensor& values) {
   at::NoGradGuard no_grad;
-  check_swap_room(g, name);  // before anything changes
-  for (auto& state : groups_[g]) {
-    if (on_nvme(state)) {
-      const int64_t slot = swap_slot(name);
-      if (!swapper_->present(state.swap_index, slot)) {
-        swapper_->mark_zero(state.swap_index, slot);
-      }
-      continue;
-    }
-    at::Tensor& t = state.tensors[index_of(name)];
-    if (!t.defined()) {
-      t = at::zeros({state.where.numel}, placement_.options(state.where.tier, at::kFloat));
-    }
-  }
+  ensure_states(g, {name});  // checks the swap room before anything changes
   for_each_piece(g, offset, values.numel(), [&](size_t k, int64_t local, int64_t at, int64_t take) {
     SubGroupState& state = groups_[g][k];
     if (on_nvme(state)) {

@@ -72,12 +72,8 @@ at::Tensor DeviceShardStorage::view(size_t g, OptimizerStateName name, int64_t o
 void DeviceShardStorage::write(size_t g, OptimizerStateName name, int64_t offset,
                                const at::Tensor& values) {
   if (name != OptimizerStateName::kMaster) {
-    at::Tensor& state = buffers_[g].state(name);
-    if (!state.defined()) {
-      state =
-          at::empty({layout_.group(g).shard_numel()}, buffers_[g].param_options.dtype(at::kFloat));
-    }
-    state.narrow(0, offset, values.numel()).copy_(values);
+    ensure_states(g, {name});
+    buffers_[g].state(name).narrow(0, offset, values.numel()).copy_(values);
     return;
   }
   for (const auto& bucket : layout_.group(g).buckets()) {

@@ -8,6 +8,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -37,7 +38,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   std::vector<std::vector<int64_t>> steps(buffers_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
   bool same_grouping = false;  // the saved groups are this optimizer's
-  std::string index_crc;
+  int64_t index_crc = 0;
   // [Note: streaming load] With the optimizer state on NVMe the whole state
   // does not fit in host memory (that is why it is there): the pieces are
   // read and verified once before anything changes, holding nothing, and
@@ -51,7 +52,8 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     TORCH_CHECK_VALUE(error.empty(), error);
     reader = std::make_unique<CheckpointReader>(path);
     const json& index = reader->index();
-    index_crc = std::to_string(crc32c(index.dump().data(), index.dump().size()));
+    const std::string dumped = index.dump();
+    index_crc = crc32c(dumped.data(), dumped.size());
     TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() ==
                                          inner_optimizer_name(inner_kind_),
                       "checkpoint ", path, " holds the state of optimizer ",
@@ -139,7 +141,6 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   const std::string agreed = groups_->agree(error, "checkpoint_errors");
   TORCH_CHECK_VALUE(agreed.empty(), "could not load checkpoint ", path,
                     "; nothing was loaded on any rank ", agreed);
-  result.index = reader->index();
   check_checkpoint_agreement(*reader, index_crc, same_grouping && with_state, with_state);
 
   at::NoGradGuard no_grad;
@@ -195,30 +196,27 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     refresh_parameters_from_master();
   }
   gather_parameters();
+  result.index = std::move(*reader).release_index();  // the reader's last use
   return result;
 }
 
 void ZeroOptimizer::Impl::check_checkpoint_agreement(const CheckpointReader& reader,
-                                                     const std::string& index_crc,
-                                                     bool same_grouping, bool with_state) {
+                                                     int64_t index_crc, bool same_grouping,
+                                                     bool with_state) {
   const std::string& path = reader.path();
   // Every rank must have read the same checkpoint (a file system that is not
-  // shared, or caches a replaced `latest`/index, would mix two): compared
-  // among the writers and across replicas (often on other nodes), and the
-  // verdict agreed over every group, so that all raise together.
-  auto all_equal = [](const std::vector<std::string>& all) {
-    return std::all_of(all.begin(), all.end(), [&](const auto& c) { return c == all[0]; });
-  };
-  bool same = all_equal(groups_->all_gather_among_writers(index_crc, "checkpoint_index"));
-  if (groups_->replica() != nullptr) {
-    same = all_equal(all_gather_strings(*groups_->replica(), index_crc, device(),
-                                        "replicas/checkpoint_index")) &&
-           same;
-  }
-  TORCH_CHECK_VALUE(
-      groups_->agree(same ? "" : "another index.json", "checkpoint_index_verdict").empty(),
-      "the ranks read different index.json files for checkpoint ", path,
-      " (it must be on a file system every rank sees alike); nothing was loaded");
+  // shared, or caches a replaced `latest`/index, would mix two), across
+  // replicas too (often on other nodes): the largest and smallest checksum
+  // over every group, the same two numbers on every rank, so all raise
+  // together.
+  at::Tensor extremes = at::tensor({index_crc, -index_crc}, at::kLong).to(device());
+  groups_->shard().all_reduce_max(extremes, "checkpoint_index");
+  groups_->max_across_replicas(extremes, "checkpoint_index");
+  groups_->max_across_model_parallel(extremes, "checkpoint_index");
+  extremes = extremes.cpu();
+  TORCH_CHECK_VALUE(extremes[0].item<int64_t>() == -extremes[1].item<int64_t>(),
+                    "the ranks read different index.json files for checkpoint ", path,
+                    " (it must be on a file system every rank sees alike); nothing was loaded");
   // With every index the same, the verdicts below are computed from the same
   // data on every replica: each replica's writers raise alike.
   if (!groups_->model_parallel()) {

@@ -212,7 +212,7 @@ class ZeroOptimizer::Impl {
   // same index, and under tensor/expert parallelism the ranks agree on the
   // saved grouping and every saved parameter is held by some rank. Raises on
   // every rank otherwise, before anything is loaded.
-  void check_checkpoint_agreement(const CheckpointReader& reader, const std::string& index_crc,
+  void check_checkpoint_agreement(const CheckpointReader& reader, int64_t index_crc,
                                   bool same_grouping, bool with_state);
   // Checkpoints under tensor parallelism (zero_optimizer_tensor_parallel.cpp):
   // where parameter (g, i) sits in its unsplit tensor; whether this rank
