@@ -1,0 +1,283 @@
+"""A Lightning job for test_lightning.py, run by torchrun (or plain python for the
+single-process reference).
+
+    python lightning_job.py OUT '[{"name": "ddp", "api": "trainer", "strategy": "ddp"}, ...]'
+
+Runs one after the other in the same processes (importing lightning costs
+more than a run); each takes the keys of DEFAULTS below: api (trainer or
+fabric), strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
+resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
+error, as every rank raised it, is its result).
+
+A tiny model (an embedding, two repeated residual blocks, a head, a
+persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
+0.1), a per-step LinearLR schedule, gradient clipping at 1.0, accumulation 2
+and a global batch of 8 sequences whatever the world size: 2 optimizer steps
+per epoch. For each run rank 0 writes OUT/NAME/result.json (the losses, the
+learning rate, the type of the strategy's model, the number of steps) and
+OUT/NAME/params.pt (the full final parameters). ``save`` writes a checkpoint
+at the end of every epoch (OUT/NAME/ckpts/epoch=E-step=S.ckpt, or
+OUT/NAME/ckpts/step=S for Fabric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_HERE, "..", "..", "..", "python")]
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+
+GLOBAL_BATCH = 8
+ACCUMULATION = 2
+SAMPLES = 16  # two optimizer steps per epoch
+VOCAB, WIDTH, SEQ = 17, 12, 6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, VOCAB)
+        # An explicit device: stage 3's configure_model builds on the meta device.
+        self.register_buffer("scale", torch.tensor(0.5, device="cpu"))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)) * self.scale)
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def loader(world: int) -> torch.utils.data.DataLoader:
+    """This rank's share of every global batch, in order: rank r takes samples
+    r, r + world, ... (Lightning's own sampler for training shuffles)."""
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        dataset(), num_replicas=world, rank=int(os.environ.get("RANK", "0")), shuffle=False
+    )
+    return torch.utils.data.DataLoader(
+        dataset(), batch_size=GLOBAL_BATCH // ACCUMULATION // world, sampler=sampler
+    )
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    return torch.utils.data.TensorDataset(tokens, targets)
+
+
+def loss_of(net: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    tokens, targets = batch
+    logits = net(tokens)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_optimizer(params: object) -> tuple[torch.optim.Optimizer, object]:
+    optimizer = torch.optim.AdamW(params, lr=5e-3, weight_decay=0.1)  # type: ignore[arg-type]
+    scheduler = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=1.0, end_factor=0.25, total_iters=8
+    )
+    return optimizer, scheduler
+
+
+class LitModel(pl.LightningModule):
+    def __init__(self, meta_build: bool = False) -> None:
+        super().__init__()
+        self.meta_build = meta_build
+        self.net: Net | None = None if meta_build else make_net()
+        self.losses: list[float] = []
+        self.built_on: str | None = None
+        self.wrapped = ""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            torch.manual_seed(0)  # materialization initializes in the same order
+            self.net = Net()
+            self.built_on = self.net.head.weight.device.type
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.net is not None
+        loss = loss_of(self.net, batch)
+        self.losses.append(loss.item())
+        self.wrapped = type(self.trainer.strategy.model).__name__
+        return loss
+
+    def configure_optimizers(self) -> dict:
+        optimizer, scheduler = make_optimizer(self.parameters())
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def _strategy(name: str, api: str) -> object:
+    if name.startswith("zeroshard"):
+        import zeroshard.integrations.lightning  # noqa: F401 - registers the names
+    return name
+
+
+def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    callbacks = []
+    if opts.save:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(opts.out, "ckpts"), every_n_epochs=1, save_top_k=-1
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=_strategy(opts.strategy, "trainer"),
+        precision=opts.precision,
+        max_epochs=opts.epochs,
+        accumulate_grad_batches=ACCUMULATION,
+        gradient_clip_val=1.0,
+        gradient_clip_algorithm=opts.clip_algorithm,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=opts.save,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    model = LitModel(meta_build=opts.meta_build)
+    trainer.fit(model, loader(world), ckpt_path=opts.resume)
+    strategy = trainer.strategy
+    zero = getattr(strategy, "zero_optimizer", None)
+    if zero is not None:
+        params = zero.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    result = {
+        "wrapped": model.wrapped,
+        "losses": model.losses,
+        "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+        "global_step": trainer.global_step,
+        "built_on": model.built_on,
+        "optimizer": type(trainer.optimizers[0]).__name__,
+    }
+    if zero is not None:
+        result["units"] = zero.units
+        # This rank's parameter shards (without the gathered units' buffers).
+        result["shard_bytes"] = zero._impl.parameter_bytes() - zero._impl.gathered_parameter_bytes()
+    return result, params
+
+
+def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if opts.strategy.startswith("zeroshard"):
+        from zeroshard.integrations.lightning.fabric import ZeroShardStrategy
+
+        stage = int(opts.strategy.split("_")[2])
+        strategy: object = ZeroShardStrategy(stage=stage)
+    else:
+        strategy = opts.strategy
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.precision)
+    fabric.launch()
+    net = make_net()
+    optimizer, scheduler = make_optimizer(net.parameters())
+    model, optimizer, scheduler = fabric.setup(net, optimizer, scheduler=scheduler)
+    data = fabric.setup_dataloaders(loader(world), use_distributed_sampler=False)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    if opts.resume:
+        fabric.load(opts.resume, state)
+    losses: list[float] = []
+    step = state["step"]
+    while step < opts.epochs * SAMPLES // GLOBAL_BATCH:
+        for i, batch in enumerate(data):
+            boundary = (i + 1) % ACCUMULATION == 0
+            with fabric.no_backward_sync(model, enabled=not boundary):
+                loss = loss_of(model, batch)
+                fabric.backward(loss / ACCUMULATION)
+            losses.append(loss.item())
+            if boundary:
+                fabric.clip_gradients(model, optimizer, max_norm=1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                step += 1
+        if opts.save:
+            state["step"] = step
+            fabric.save(os.path.join(opts.out, "ckpts", f"step={step}"), state)
+    zero = getattr(fabric.strategy, "zero_optimizer", None)
+    if zero is not None:
+        params = zero.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    result = {
+        "wrapped": type(model._forward_module).__name__,
+        "losses": losses,
+        "lr": scheduler.get_last_lr(),
+        "global_step": step,
+        "optimizer": type(optimizer.optimizer).__name__,
+    }
+    return result, params
+
+
+DEFAULTS = {
+    "api": "trainer",
+    "strategy": "auto",
+    "precision": "32-true",
+    "epochs": 2,
+    "save": False,
+    "resume": None,
+    "meta_build": False,
+    "clip_algorithm": "norm",
+    "expect_error": False,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("runs", help="a JSON list of runs: {name, api, strategy, ...}")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for spec in json.loads(args.runs):
+        opts = argparse.Namespace(**{**DEFAULTS, **spec})
+        opts.out = os.path.join(args.out, spec["name"])
+        os.makedirs(opts.out, exist_ok=True)
+        run = run_trainer if opts.api == "trainer" else run_fabric
+        try:
+            result, params = run(opts, world)
+        except Exception as error:  # noqa: BLE001 - an expected error is the result
+            if not opts.expect_error:
+                raise
+            result, params = {"error": f"{type(error).__name__}: {error}"}, {}
+            if dist.is_initialized():  # what every rank raised
+                errors: list = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, result["error"])
+                result["errors"] = errors
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(params, os.path.join(opts.out, "params.pt"))
+            with open(os.path.join(opts.out, "result.json"), "w") as f:
+                json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
