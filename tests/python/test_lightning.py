@@ -46,6 +46,13 @@ STAGES = [
     "zeroshard_stage_3_offload",
 ]
 TRAINER_CHECKPOINT = "trainer-zeroshard_stage_2/ckpts/epoch=0-step=2.ckpt"
+TRAINER_FINAL_CHECKPOINT = "trainer-zeroshard_stage_2/ckpts/epoch=1-step=4.ckpt"
+PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+PRECISION_RUNS = [
+    {"name": f"trainer-{kind}-{short}", "strategy": strategy, "precision": precision}
+    for short, precision in PRECISIONS.items()
+    for kind, strategy in (("ddp", "ddp"), ("zeroshard", "zeroshard_stage_2"))
+]
 FABRIC_CHECKPOINT = "fabric-zeroshard_stage_2/ckpts/step=2"
 
 
@@ -78,8 +85,11 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
         {"name": "trainer-stage3-meta", "strategy": "zeroshard_stage_3", "meta_build": True},
         {"name": "trainer-resumed", "strategy": "zeroshard_stage_2",
          "resume": str(out / TRAINER_CHECKPOINT)},
+        {"name": "trainer-validate", "strategy": "zeroshard_stage_3", "validate": True,
+         "resume": str(out / TRAINER_FINAL_CHECKPOINT)},
         {"name": "trainer-clip-by-value", "strategy": "zeroshard_stage_2",
          "clip_algorithm": "value", "expect_error": True},
+        *PRECISION_RUNS,
         {"name": "fabric-ddp", "api": "fabric", "strategy": "ddp"},
         {"name": "fabric-zeroshard_stage_2", "api": "fabric", "strategy": "zeroshard_stage_2",
          "save": True},
@@ -99,6 +109,10 @@ def one_rank(
     out = tmp_path_factory.mktemp("one_rank")
     runs = [
         {"name": "trainer-single", "strategy": "auto"},
+        *(
+            {"name": f"trainer-single-{short}", "strategy": "auto", "precision": precision}
+            for short, precision in PRECISIONS.items()
+        ),
         {"name": "fabric-single", "api": "fabric", "strategy": "auto"},
         # The 2-rank stage 2 checkpoints, resharded onto 1 rank at stage 3.
         {"name": "trainer-resumed-world1", "strategy": "zeroshard_stage_3",
@@ -149,6 +163,8 @@ def test_trainer_matches_single_process(
     result = results[f"trainer-{stage}"]
     reference, ddp = one_rank["trainer-single"], results["trainer-ddp"]
     _check_against_reference(stage, result, reference, ddp, initial, "LitModel")
+    # Accumulation: the first micro-step of each step runs under no_sync.
+    assert result["syncs"] == [False, True] * 4, result["syncs"]
     if "stage_3" in stage:
         assert result["units"] == ["net.embed", "net.blocks.0", "net.blocks.1", "net.head"]
 
@@ -224,6 +240,7 @@ def test_fabric_stage2_matches_saves_and_resumes(
     resumed = results["fabric-resumed"]
     assert _diff(resumed["params"], straight["params"]) == 0.0
     assert resumed["lr"] == straight["lr"] and resumed["global_step"] == 4
+    assert straight["syncs"] == [False, True] * 4  # no_backward_sync reached zeroshard
     other = one_rank["fabric-resumed-world1"]
     diff = _diff(other["params"], straight["params"])
     yardstick = _diff(ddp["params"], straight["params"])
@@ -268,3 +285,52 @@ def test_unsupported_settings_raise_clear_errors() -> None:
         ZeroArguments({"gradient_accumulation_steps": 4}, 1, "32-true", 2, None)
     with pytest.raises(ValueError, match="bf16.enabled = True but the precision is '32-true'"):
         ZeroArguments({"bf16": {"enabled": True}}, 1, "32-true", 1, None)
+
+
+@pytest.mark.parametrize("short", sorted(PRECISIONS))
+def test_trainer_mixed_precision_matches_single_process(
+    short: str, two_ranks: tuple[dict, Path], one_rank: dict, initial: dict
+) -> None:
+    # bf16-mixed: autocast over the fp32 weights. 16-mixed (the plugin: the
+    # Trainer's precision flag turns into bf16 on CPU): autocast to fp16 and
+    # zeroshard's loss scaling where the references use torch's GradScaler.
+    results, _ = two_ranks
+    result = results[f"trainer-zeroshard-{short}"]
+    reference = one_rank[f"trainer-single-{short}"]
+    ddp = results[f"trainer-ddp-{short}"]
+    _check_against_reference(short, result, reference, ddp, initial, "LitModel")
+    fp32 = one_rank["trainer-single"]
+    # It computed in 16 bits: 7.6e-5 (fp16) and 5e-3 (bf16) from fp32 when this was
+    # written, where 32-bit runs differ by 3e-8.
+    assert _diff(result["params"], fp32["params"]) > 1e-5
+
+
+def test_validate_loads_the_full_weights(two_ranks: tuple[dict, Path]) -> None:
+    sys.path.insert(0, os.path.dirname(JOB))
+    from lightning_job import dataset, loss_of, make_net
+
+    results, _ = two_ranks
+    net = make_net()
+    final = results["trainer-zeroshard_stage_2"]["params"]
+    net.load_state_dict({k.removeprefix("net."): v for k, v in final.items()}, strict=False)
+    with torch.no_grad():
+        expected = loss_of(net, list(dataset().tensors)).item()
+    validated = results["trainer-validate"]
+    assert validated["optimizers"] == 0
+    assert validated["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_dynamic_loss_scale() -> None:
+    from zeroshard.integrations.lightning._shared import DynamicLossScale
+
+    scale = DynamicLossScale(initial_scale_power=4, window=2, min_scale=2.0)
+    assert scale.scale == 16.0
+    scale.update(skipped=False)
+    scale.update(skipped=False)
+    assert scale.scale == 32.0  # a window of good steps doubles it
+    for _ in range(6):
+        scale.update(skipped=True)
+    assert scale.scale == 2.0  # each overflow halves it, down to the minimum
+    restored = DynamicLossScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored.scale == 2.0 and restored.good_steps == 0

@@ -7,7 +7,8 @@ Runs one after the other in the same processes (importing lightning costs
 more than a run); each takes the keys of DEFAULTS below: api (trainer or
 fabric), strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
 resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
-error, as every rank raised it, is its result).
+error, as every rank raised it, is its result), validate (Trainer.validate of
+the checkpoint ``resume`` instead of fit: the result is the validation loss).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -110,6 +111,7 @@ class LitModel(pl.LightningModule):
         self.losses: list[float] = []
         self.built_on: str | None = None
         self.wrapped = ""
+        self.syncs: list[bool] = []
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -122,7 +124,14 @@ class LitModel(pl.LightningModule):
         loss = loss_of(self.net, batch)
         self.losses.append(loss.item())
         self.wrapped = type(self.trainer.strategy.model).__name__
+        zero = getattr(self.trainer.strategy, "zero_optimizer", None)
+        if zero is not None:  # whether this micro-step's backward communicates
+            self.syncs.append(bool(zero._impl.gradient_sync()))
         return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        assert self.net is not None
+        self.log("val_loss", loss_of(self.net, batch), sync_dist=True)
 
     def configure_optimizers(self) -> dict:
         optimizer, scheduler = make_optimizer(self.parameters())
@@ -146,11 +155,15 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
                 dirpath=os.path.join(opts.out, "ckpts"), every_n_epochs=1, save_top_k=-1
             )
         )
+    precision: dict = {"precision": opts.precision}
+    if opts.precision == "16-mixed":
+        # Trainer(precision="16-mixed") on CPU becomes bf16-mixed; the plugin stays fp16.
+        precision = {"plugins": [pl.plugins.precision.MixedPrecision("16-mixed", "cpu")]}
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=_strategy(opts.strategy, "trainer"),
-        precision=opts.precision,
+        **precision,
         max_epochs=opts.epochs,
         accumulate_grad_batches=ACCUMULATION,
         gradient_clip_val=1.0,
@@ -164,6 +177,10 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         use_distributed_sampler=False,
     )
     model = LitModel(meta_build=opts.meta_build)
+    if opts.validate:
+        # The full weights of a checkpoint, outside fit.
+        metrics = trainer.validate(model, loader(world), ckpt_path=opts.resume, verbose=False)
+        return {"val_loss": metrics[0]["val_loss"], "optimizers": len(trainer.optimizers)}, {}
     trainer.fit(model, loader(world), ckpt_path=opts.resume)
     strategy = trainer.strategy
     zero = getattr(strategy, "zero_optimizer", None)
@@ -173,6 +190,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     result = {
         "wrapped": model.wrapped,
+        "syncs": model.syncs,
         "losses": model.losses,
         "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
         "global_step": trainer.global_step,
@@ -181,6 +199,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     }
     if zero is not None:
         result["units"] = zero.units
+        result["comm"] = zero.comm_stats()
         # This rank's parameter shards (without the gathered units' buffers).
         result["shard_bytes"] = zero._impl.parameter_bytes() - zero._impl.gathered_parameter_bytes()
     return result, params
@@ -204,6 +223,7 @@ def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, to
     if opts.resume:
         fabric.load(opts.resume, state)
     losses: list[float] = []
+    syncs: list[bool] = []
     step = state["step"]
     while step < opts.epochs * SAMPLES // GLOBAL_BATCH:
         for i, batch in enumerate(data):
@@ -211,6 +231,9 @@ def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, to
             with fabric.no_backward_sync(model, enabled=not boundary):
                 loss = loss_of(model, batch)
                 fabric.backward(loss / ACCUMULATION)
+                zero = getattr(fabric.strategy, "zero_optimizer", None)
+                if zero is not None:
+                    syncs.append(bool(zero._impl.gradient_sync()))
             losses.append(loss.item())
             if boundary:
                 fabric.clip_gradients(model, optimizer, max_norm=1.0)
@@ -228,6 +251,7 @@ def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, to
         params = {k: v.detach().clone() for k, v in net.named_parameters()}
     result = {
         "wrapped": type(model._forward_module).__name__,
+        "syncs": syncs,
         "losses": losses,
         "lr": scheduler.get_last_lr(),
         "global_step": step,
@@ -246,6 +270,7 @@ DEFAULTS = {
     "meta_build": False,
     "clip_algorithm": "norm",
     "expect_error": False,
+    "validate": False,
 }
 
 
