@@ -334,3 +334,28 @@ def test_dynamic_loss_scale() -> None:
     restored = DynamicLossScale()
     restored.load_state_dict(scale.state_dict())
     assert restored.scale == 2.0 and restored.good_steps == 0
+
+
+def test_the_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    here = os.path.dirname(JOB)
+    example = os.path.join(here, "..", "..", "..", "examples", "lightning_gpt.py")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(here, "..", "..", "..", "python")
+    )
+    out = tmp_path / "out"
+    # Stage 3 (built partitioned by configure_model), then resumed at stage 2 with offload.
+    runs = [
+        (2, ["--stage", "3"]),
+        (4, ["--stage", "2", "--offload", "--resume", str(out / "last.ckpt")]),
+    ]
+    for steps, extra in runs:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             f"--master_port={free_port()}", example, "--out", str(out), "--steps", str(steps),
+             *extra],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{extra}:\n{proc.stdout}\n{proc.stderr}"
+        assert f"[lightning_gpt] {steps} steps" in proc.stdout, proc.stdout
+    assert (out / "last.ckpt" / "zeroshard" / "index.json").is_file()
+    assert "state_dict" in torch.load(out / "model.ckpt", weights_only=False)
