@@ -255,12 +255,13 @@ def test_clipping_by_value_is_refused_on_every_rank(two_ranks: tuple[dict, Path]
     assert all("gradient_clip_algorithm='value' is not supported" in e for e in errors), errors
 
 
-def test_unsupported_settings_raise_clear_errors() -> None:
+def test_unsupported_settings_raise_clear_errors(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
     from zeroshard.integrations.lightning import ZeroShardStrategy
     from zeroshard.integrations.lightning._shared import (
         ZeroArguments,
+        check_checkpoint_directory,
         check_lightning_version,
         zero_optimizer_from,
     )
@@ -285,6 +286,10 @@ def test_unsupported_settings_raise_clear_errors() -> None:
         ZeroArguments({"gradient_accumulation_steps": 4}, 1, "32-true", 2, None)
     with pytest.raises(ValueError, match="bf16.enabled = True but the precision is '32-true'"):
         ZeroArguments({"bf16": {"enabled": True}}, 1, "32-true", 1, None)
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    with pytest.raises(ValueError, match="not a ZeroShardStrategy checkpoint.*cannot be resharded"):
+        check_checkpoint_directory(plain)
 
 
 @pytest.mark.parametrize("short", sorted(PRECISIONS))

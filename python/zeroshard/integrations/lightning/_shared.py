@@ -9,7 +9,7 @@ import functools
 import json
 import os
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -428,9 +428,3 @@ def materialize_without_optimizer(module: nn.Module, device: torch.device) -> No
             reset = getattr(sub, "reset_parameters", None)
             if reset is not None and any(True for _ in sub.parameters(recurse=False)):
                 reset()
-
-
-def iter_params(groups: Iterable[Mapping[str, Any]]) -> Iterable[torch.Tensor]:
-    """The parameters of parameter groups."""
-    for group in groups:
-        yield from group["params"]
