@@ -108,20 +108,34 @@ class LitModel(pl.LightningModule):
         super().__init__()
         self.meta_build = meta_build
         self.net: Net | None = None if meta_build else make_net()
+        # Owned by the LightningModule itself (at stage 3 a unit of its own),
+        # read by training_step only, never by a forward.
+        self.temperature: nn.Parameter | None = None
+        if not meta_build:
+            self.temperature = nn.Parameter(torch.empty(()))
+            self.reset_parameters()
         self.losses: list[float] = []
         self.built_on: str | None = None
         self.wrapped = ""
         self.syncs: list[bool] = []
 
+    def reset_parameters(self) -> None:
+        """Initializes the LightningModule's own parameter (stage 3 materializes
+        a meta-built model module by module with these)."""
+        assert self.temperature is not None
+        with torch.no_grad():
+            self.temperature.fill_(1.25)
+
     def configure_model(self) -> None:
         if self.net is None:
             torch.manual_seed(0)  # materialization initializes in the same order
             self.net = Net()
+            self.temperature = nn.Parameter(torch.empty(()))
             self.built_on = self.net.head.weight.device.type
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.net is not None
-        loss = loss_of(self.net, batch)
+        loss = loss_of(self.net, batch) * self.temperature
         self.losses.append(loss.item())
         self.wrapped = type(self.trainer.strategy.model).__name__
         zero = getattr(self.trainer.strategy, "zero_optimizer", None)
@@ -131,7 +145,7 @@ class LitModel(pl.LightningModule):
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         assert self.net is not None
-        self.log("val_loss", loss_of(self.net, batch), sync_dist=True)
+        self.log("val_loss", loss_of(self.net, batch) * self.temperature, sync_dist=True)
 
     def configure_optimizers(self) -> dict:
         optimizer, scheduler = make_optimizer(self.parameters())
@@ -142,9 +156,26 @@ class LitModel(pl.LightningModule):
 
 
 def _strategy(name: str, api: str) -> object:
-    if name.startswith("zeroshard"):
-        import zeroshard.integrations.lightning  # noqa: F401 - registers the names
-    return name
+    """The strategy registered as ``name`` in the Trainer's or Fabric's registry.
+
+    At stage 3 every parameter is gathered and released
+    (stage3_param_persistence_threshold 0): a tiny model's would otherwise all
+    stay whole.
+    """
+    if not name.startswith("zeroshard"):
+        return name
+    import zeroshard.integrations.lightning  # noqa: F401 - registers the names
+
+    if "stage_3" not in name:
+        return name
+    if api == "trainer":
+        strategy = pl.strategies.StrategyRegistry.get(name)
+    else:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+        strategy = STRATEGY_REGISTRY.get(name)
+    strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return strategy
 
 
 def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -206,13 +237,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
 
 
 def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    if opts.strategy.startswith("zeroshard"):
-        from zeroshard.integrations.lightning.fabric import ZeroShardStrategy
-
-        stage = int(opts.strategy.split("_")[2])
-        strategy: object = ZeroShardStrategy(stage=stage)
-    else:
-        strategy = opts.strategy
+    strategy = _strategy(opts.strategy, "fabric")
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.precision)
     fabric.launch()
     net = make_net()

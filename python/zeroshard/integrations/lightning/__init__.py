@@ -368,6 +368,44 @@ class ZeroShardStrategy(DDPStrategy):
         with self.zero_optimizer.no_sync():
             yield
 
+    # Steps at stage 3 --------------------------------------------------------
+
+    def _step_as_forward(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        # Lightning calls the LightningModule's steps, not its forward: at
+        # stage 3 the step runs as its forward, so that the model's hooks run
+        # around it (parameters the LightningModule owns directly are a unit
+        # gathered for the step; the ranks agree at its end).
+        module = self.lightning_module
+        assert module is not None
+        with context:
+            if self.zero_optimizer is None or self.stage != 3:
+                return getattr(module, method)(*args, **kwargs)
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``training_step`` (at stage 3 run as its forward)."""
+        return self._step_as_forward(
+            "training_step", self.precision_plugin.train_step_context(), *args, **kwargs
+        )
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``validation_step`` (at stage 3 run as its forward)."""
+        return self._step_as_forward(
+            "validation_step", self.precision_plugin.val_step_context(), *args, **kwargs
+        )
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``test_step`` (at stage 3 run as its forward)."""
+        return self._step_as_forward(
+            "test_step", self.precision_plugin.test_step_context(), *args, **kwargs
+        )
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's ``predict_step`` (at stage 3 run as its forward)."""
+        return self._step_as_forward(
+            "predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs
+        )
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints load into the ZeroOptimizer, so after it is built."""
