@@ -93,7 +93,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
         {"name": "trainer-clip-by-value", "strategy": "zeroshard_stage_2",
          "clip_algorithm": "value", "expect_error": True},
         *PRECISION_RUNS,
+        {"name": "trainer-fp16-nan", "strategy": "zeroshard_stage_2", "precision": "16-mixed",
+         "nan_at": 1},
         {"name": "fabric-ddp", "api": "fabric", "strategy": "ddp"},
+        {"name": "fabric-ddp-fp16", "api": "fabric", "strategy": "ddp", "precision": "16-mixed"},
+        {"name": "fabric-zeroshard-fp16", "api": "fabric", "strategy": "zeroshard_stage_2",
+         "precision": "16-mixed"},
         {"name": "fabric-zeroshard_stage_2", "api": "fabric", "strategy": "zeroshard_stage_2",
          "save": True},
         {"name": "fabric-resumed", "api": "fabric", "strategy": "zeroshard_stage_2",
@@ -117,6 +122,8 @@ def one_rank(
             for short, precision in PRECISIONS.items()
         ),
         {"name": "fabric-single", "api": "fabric", "strategy": "auto"},
+        {"name": "fabric-single-fp16", "api": "fabric", "strategy": "auto",
+         "precision": "16-mixed"},
         # The 2-rank stage 2 checkpoints, resharded onto 1 rank at stage 3.
         {"name": "trainer-resumed-world1", "strategy": "zeroshard_stage_3",
          "resume": str(saved / TRAINER_CHECKPOINT)},
@@ -323,6 +330,27 @@ def test_trainer_mixed_precision_matches_single_process(
     # It computed in 16 bits: 7.6e-5 (fp16) and 5e-3 (bf16) from fp32 when this was
     # written, where 32-bit runs differ by 3e-8.
     assert _diff(result["params"], fp32["params"]) > 1e-5
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(
+    two_ranks: tuple[dict, Path], one_rank: dict, initial: dict
+) -> None:
+    results, _ = two_ranks
+    result = results["trainer-fp16-nan"]
+    assert result["skipped_steps"] == 1  # the NaN step changed nothing, on every rank
+    assert result["loss_scale"] == 2.0**15  # halved from 2**16
+    assert all(torch.isfinite(v).all() for v in result["params"].values())
+    assert _moved(result["params"], initial) > 1e-3
+    assert results["trainer-zeroshard-fp16"]["loss_scale"] == 2.0**16  # no overflow there
+    # Fabric at 16-mixed: zeroshard's loss scaling where the others use GradScaler.
+    _check_against_reference(
+        "Fabric fp16",
+        results["fabric-zeroshard-fp16"],
+        one_rank["fabric-single-fp16"],
+        results["fabric-ddp-fp16"],
+        initial,
+        "Net",
+    )
 
 
 def test_validate_loads_the_full_weights(two_ranks: tuple[dict, Path]) -> None:

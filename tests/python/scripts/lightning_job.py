@@ -8,7 +8,8 @@ more than a run); each takes the keys of DEFAULTS below: api (trainer or
 fabric), strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
 resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
 error, as every rank raised it, is its result), validate (Trainer.validate of
-the checkpoint ``resume`` instead of fit: the result is the validation loss).
+the checkpoint ``resume`` instead of fit: the result is the validation loss),
+nan_at (the Trainer's loss is NaN at this global step).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -104,9 +105,10 @@ def make_optimizer(params: object) -> tuple[torch.optim.Optimizer, object]:
 
 
 class LitModel(pl.LightningModule):
-    def __init__(self, meta_build: bool = False) -> None:
+    def __init__(self, meta_build: bool = False, nan_at: int = -1) -> None:
         super().__init__()
         self.meta_build = meta_build
+        self.nan_at = nan_at  # a NaN loss at this global step
         self.net: Net | None = None if meta_build else make_net()
         # Owned by the LightningModule itself (at stage 3 a unit of its own),
         # read by training_step only, never by a forward.
@@ -136,6 +138,8 @@ class LitModel(pl.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.net is not None
         loss = loss_of(self.net, batch) * self.temperature
+        if self.global_step == self.nan_at:
+            loss = loss * float("nan")
         self.losses.append(loss.item())
         self.wrapped = type(self.trainer.strategy.model).__name__
         zero = getattr(self.trainer.strategy, "zero_optimizer", None)
@@ -207,7 +211,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
-    model = LitModel(meta_build=opts.meta_build)
+    model = LitModel(meta_build=opts.meta_build, nan_at=opts.nan_at)
     if opts.validate:
         # The full weights of a checkpoint, outside fit.
         metrics = trainer.validate(model, loader(world), ckpt_path=opts.resume, verbose=False)
@@ -230,6 +234,9 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     }
     if zero is not None:
         result["units"] = zero.units
+        result["skipped_steps"] = int(zero._impl.skipped_steps())
+        scale = getattr(trainer.precision_plugin, "loss_scale", None)
+        result["loss_scale"] = scale.scale if scale is not None else None
         result["comm"] = zero.comm_stats()
         # This rank's parameter shards (without the gathered units' buffers).
         result["shard_bytes"] = zero._impl.parameter_bytes() - zero._impl.gathered_parameter_bytes()
@@ -238,7 +245,13 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
 
 def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
     strategy = _strategy(opts.strategy, "fabric")
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.precision)
+    precision: dict = {"precision": opts.precision}
+    if opts.precision == "16-mixed":
+        # Fabric(precision="16-mixed") on CPU becomes bf16-mixed; the plugin stays fp16.
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, **precision)
     fabric.launch()
     net = make_net()
     optimizer, scheduler = make_optimizer(net.parameters())
@@ -296,6 +309,7 @@ DEFAULTS = {
     "clip_algorithm": "norm",
     "expect_error": False,
     "validate": False,
+    "nan_at": -1,
 }
 
 
