@@ -9,7 +9,8 @@ fabric), strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
 resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
 error, as every rank raised it, is its result), validate (Trainer.validate of
 the checkpoint ``resume`` instead of fit: the result is the validation loss),
-nan_at (the Trainer's loss is NaN at this global step).
+nan_at (the Trainer's loss is NaN at this global step), fit_twice (a second
+trainer.fit with the same Trainer).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -217,6 +218,9 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         metrics = trainer.validate(model, loader(world), ckpt_path=opts.resume, verbose=False)
         return {"val_loss": metrics[0]["val_loss"], "optimizers": len(trainer.optimizers)}, {}
     trainer.fit(model, loader(world), ckpt_path=opts.resume)
+    if opts.fit_twice:
+        trainer.fit_loop.max_epochs += 1
+        trainer.fit(model, loader(world))
     strategy = trainer.strategy
     zero = getattr(strategy, "zero_optimizer", None)
     if zero is not None:
@@ -310,6 +314,7 @@ DEFAULTS = {
     "expect_error": False,
     "validate": False,
     "nan_at": -1,
+    "fit_twice": False,
 }
 
 

@@ -300,6 +300,14 @@ class ZeroShardStrategy(DDPStrategy):
         else:
             buffers_to_device(self.model, self.root_device)
         if fitting:
+            if self.zero_optimizer is not None:
+                # The parameters are views of (at stage 3, shards in) the first
+                # ZeroOptimizer's buffers: another could not take them over.
+                raise RuntimeError(
+                    "ZeroShardStrategy trains a model once: a second fit with the same strategy "
+                    "is not supported. Save a checkpoint and resume it with a new Trainer, a new "
+                    "strategy and a new model: fit(model, ckpt_path=...)"
+                )
             self.setup_optimizers(trainer)
             self._build_zero_optimizer(trainer)
         self.setup_precision_plugin()
