@@ -36,7 +36,8 @@ What it changes from Lightning's DDP strategy:
   schedulers, callbacks, hyper-parameters, buffers). ``ckpt_path=`` resumes
   from it at any world size or stage; :func:`convert_to_lightning_checkpoint`
   makes a plain ``.ckpt`` of it, ``python -m zeroshard consolidate
-  <dir>/zeroshard out`` safetensors.
+  <dir>/zeroshard out`` safetensors of the parameters (the buffers are in
+  ``lightning.pt``).
 
 Supported: lightning 2.6 (``pip install 'zeroshard[lightning]'``; tested with
 2.6.6). Importing this module with another version raises ImportError naming it.
@@ -547,8 +548,8 @@ def convert_to_lightning_checkpoint(
     ``LightningModule.load_from_checkpoint(output_file)`` and
     ``Trainer(...).validate(model, ckpt_path=output_file)`` with any strategy
     load it. Runs on one process, no process group. Returns the dictionary
-    written. For safetensors run ``python -m zeroshard consolidate
-    <checkpoint_dir>/zeroshard out``.
+    written. For safetensors of the parameters run ``python -m zeroshard
+    consolidate <checkpoint_dir>/zeroshard out``.
     """
     root = check_checkpoint_directory(checkpoint_dir)
     state = torch.load(root / LIGHTNING_STATE_FILE, weights_only=False)
