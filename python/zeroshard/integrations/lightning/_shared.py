@@ -170,13 +170,14 @@ class ZeroArguments:
                 )
             if name == "bf16" and section.get("check_grad_overflow", False):
                 self.skip_nonfinite_steps = True
-        source = "the Trainer" if accumulation is not None else "Fabric (your loop)"
-        if accumulation is not None:
+        if accumulation is not None:  # the Trainer
             _agree(config, "gradient_accumulation_steps", accumulation, "accumulate_grad_batches")
-        else:
-            _agree(config, "gradient_accumulation_steps", 1, source)
-        if clip is not None or "gradient_clipping" in config:
-            _agree(config, "gradient_clipping", float(clip or 0.0), f"{source}'s gradient_clip_val")
+            if clip is not None or "gradient_clipping" in config:
+                _agree(config, "gradient_clipping", float(clip or 0.0), "gradient_clip_val")
+        else:  # Fabric: the loop accumulates (no_backward_sync) and clips (clip_gradients)
+            loop = "your Fabric loop (no_backward_sync, clip_gradients)"
+            _agree(config, "gradient_accumulation_steps", 1, loop)
+            _agree(config, "gradient_clipping", 0.0, loop)
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             config.pop(key, None)  # the DataLoader decides
         config.update(
