@@ -416,3 +416,35 @@ def test_the_example_trains_saves_and_resumes(tmp_path: Path) -> None:
         assert f"[lightning_gpt] {steps} steps" in proc.stdout, proc.stdout
     assert (out / "last.ckpt" / "zeroshard" / "index.json").is_file()
     assert "state_dict" in torch.load(out / "model.ckpt", weights_only=False)
+
+
+def test_registered_names_and_config(tmp_path: Path) -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+    from zeroshard.integrations.lightning.fabric import ZeroShardStrategy as FabricStrategy
+
+    for registry, cls in (
+        (StrategyRegistry, ZeroShardStrategy),
+        (STRATEGY_REGISTRY, FabricStrategy),
+    ):
+        offload = registry.get("zeroshard_stage_3_offload")
+        assert type(offload) is cls
+        zero = offload.config["zero_optimization"]
+        assert zero["stage"] == 3
+        assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+        for stage in (1, 2, 3):
+            assert registry.get(f"zeroshard_stage_{stage}").config == {
+                "zero_optimization": {"stage": stage}
+            }
+    # A config (a path or a dict) wins over the keyword arguments, as in DeepSpeedStrategy.
+    path = tmp_path / "ds.json"
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    path.write_text(json.dumps(config))
+    assert ZeroShardStrategy(config=str(path), stage=1).config == config
+    assert ZeroShardStrategy(config=config, stage=1).stage == 3
+    with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+        ZeroShardStrategy(config=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="offload_parameters=True\\) needs stage=3"):
+        ZeroShardStrategy(stage=2, offload_parameters=True)
