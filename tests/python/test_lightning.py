@@ -95,6 +95,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
         *PRECISION_RUNS,
         {"name": "trainer-fit-twice", "strategy": "zeroshard_stage_1", "epochs": 1,
          "fit_twice": True, "expect_error": True},
+        {"name": "trainer-save-onto-file", "strategy": "zeroshard_stage_2", "epochs": 1,
+         "save_onto_file": True, "expect_error": True},
         {"name": "trainer-fp16-nan", "strategy": "zeroshard_stage_2", "precision": "16-mixed",
          "nan_at": 1},
         {"name": "fabric-ddp", "api": "fabric", "strategy": "ddp"},
@@ -284,6 +286,13 @@ def test_a_second_fit_is_refused_on_every_rank(two_ranks: tuple[dict, Path]) -> 
     errors = results["trainer-fit-twice"]["errors"]
     assert len(errors) == 2
     assert all("a second fit with the same strategy is not supported" in e for e in errors), errors
+
+
+def test_a_failed_save_on_rank_0_raises_on_every_rank(two_ranks: tuple[dict, Path]) -> None:
+    results, _ = two_ranks
+    errors = results["trainer-save-onto-file"]["errors"]
+    assert len(errors) == 2
+    assert all("failed on rank 0: FileExistsError" in e and "is a file" in e for e in errors)
 
 
 def test_unsupported_settings_raise_clear_errors(tmp_path: Path) -> None:

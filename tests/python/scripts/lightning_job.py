@@ -10,7 +10,8 @@ resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
 error, as every rank raised it, is its result), validate (Trainer.validate of
 the checkpoint ``resume`` instead of fit: the result is the validation loss),
 nan_at (the Trainer's loss is NaN at this global step), fit_twice (a second
-trainer.fit with the same Trainer).
+trainer.fit with the same Trainer), save_onto_file (trainer.save_checkpoint to
+the path of a file rank 0 wrote).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -218,6 +219,13 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         metrics = trainer.validate(model, loader(world), ckpt_path=opts.resume, verbose=False)
         return {"val_loss": metrics[0]["val_loss"], "optimizers": len(trainer.optimizers)}, {}
     trainer.fit(model, loader(world), ckpt_path=opts.resume)
+    if opts.save_onto_file:
+        blocker = os.path.join(opts.out, "a_file.ckpt")
+        if trainer.is_global_zero:
+            with open(blocker, "w") as f:
+                f.write("not a checkpoint directory")
+        trainer.strategy.barrier()
+        trainer.save_checkpoint(blocker)
     if opts.fit_twice:
         trainer.fit_loop.max_epochs += 1
         trainer.fit(model, loader(world))
@@ -315,6 +323,7 @@ DEFAULTS = {
     "validate": False,
     "nan_at": -1,
     "fit_twice": False,
+    "save_onto_file": False,
 }
 
 

@@ -49,7 +49,6 @@ import contextlib
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,6 +72,7 @@ from zeroshard.integrations.lightning._shared import (
     materialize_without_optimizer,
     persistent_buffers,
     retarget_scheduler,
+    write_checkpoint_directory,
     zero_optimizer_from,
 )
 from zeroshard.optimizer import ZeroOptimizer
@@ -462,21 +462,9 @@ class ZeroShardStrategy(DDPStrategy):
             raise TypeError(
                 "ZeroShardStrategy writes its checkpoints itself: storage_options is not supported"
             )
-        # Every rank writes into rank 0's directory.
-        root = Path(self.broadcast(os.fspath(filepath)))
-        if root.is_file():
-            raise FileExistsError(
-                f"{root} is a file; a ZeroShardStrategy checkpoint is a directory of that name"
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        self.zero_optimizer.save_checkpoint(root / ZEROSHARD_SUBDIR)
-        if self.is_global_zero:
-            state = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-            state["optimizer_states"] = [dict(OPTIMIZER_MARKER)]
-            temporary = root / (LIGHTNING_STATE_FILE + ".tmp")
-            torch.save(state, temporary)
-            os.replace(temporary, root / LIGHTNING_STATE_FILE)
-        self.barrier("ZeroShardStrategy.save_checkpoint")
+        state = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        state["optimizer_states"] = [dict(OPTIMIZER_MARKER)]
+        write_checkpoint_directory(self, filepath, self.zero_optimizer, state)
 
     def load_checkpoint(
         self, checkpoint_path: _PATH, weights_only: bool | None = None

@@ -8,6 +8,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -381,6 +382,56 @@ def load_buffers(module: nn.Module, saved: Mapping[str, torch.Tensor], strict: b
         for name in current:
             if name in saved:
                 lookup[name].copy_(saved[name])
+
+
+def _agreed(strategy: Any, failure: str | None, what: str) -> None:
+    """Collective: raises on every rank if rank 0 failed (its ``failure``)."""
+    failure = strategy.broadcast(failure, src=0)
+    if failure is not None:
+        raise RuntimeError(f"ZeroShardStrategy: {what} failed on rank 0: {failure}")
+
+
+def write_checkpoint_directory(
+    strategy: Any, path: str | os.PathLike[str], zero: ZeroOptimizer, state: dict[str, Any]
+) -> Path:
+    """Collective: the checkpoint directory ``path``: the zeroshard checkpoint
+    (every rank's shard) and Lightning's ``state`` (written by rank 0).
+
+    Written whole into a staging directory beside ``path``, which then takes
+    ``path``'s place (the previous checkpoint of that name is removed after):
+    an interrupted save leaves the previous checkpoint, never a directory
+    mixing the new shards with the old Lightning state. Every rank writes into
+    rank 0's path (a file system they share). A failure on rank 0 raises on
+    every rank.
+    """
+    root = Path(strategy.broadcast(os.fspath(path), src=0))
+    staging = root.with_name(f".{root.name}.zeroshard-staging")
+    retired = root.with_name(f".{root.name}.zeroshard-retired")
+    failure = None
+    if strategy.is_global_zero:
+        try:
+            if root.is_file():
+                raise FileExistsError(
+                    f"{root} is a file; a ZeroShardStrategy checkpoint is a directory of that name"
+                )
+            for leftover in (staging, retired):  # of an interrupted save
+                shutil.rmtree(leftover, ignore_errors=True)
+            staging.mkdir(parents=True)
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            failure = f"{type(error).__name__}: {error}"
+    _agreed(strategy, failure, f"preparing checkpoint {root}")
+    zero.save_checkpoint(staging / ZEROSHARD_SUBDIR)
+    if strategy.is_global_zero:
+        try:
+            torch.save(state, staging / LIGHTNING_STATE_FILE)
+            if root.exists() or root.is_symlink():
+                os.replace(root, retired)
+            os.replace(staging, root)
+            shutil.rmtree(retired, ignore_errors=True)
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            failure = f"{type(error).__name__}: {error}"
+    _agreed(strategy, failure, f"writing checkpoint {root}")
+    return root
 
 
 def check_checkpoint_directory(path: str | os.PathLike[str]) -> Path:

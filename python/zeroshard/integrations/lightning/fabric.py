@@ -33,7 +33,6 @@ import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from zeroshard.integrations.lightning._shared import (
     load_config,
     persistent_buffers,
     retarget_scheduler,
+    write_checkpoint_directory,
     zero_optimizer_from,
 )
 from zeroshard.optimizer import ZeroOptimizer
@@ -358,13 +358,6 @@ class ZeroShardStrategy(DDPStrategy):
                 "ZeroShardStrategy writes its checkpoints itself: storage_options and filter "
                 "are not supported"
             )
-        root = Path(self.broadcast(os.fspath(path)))
-        if root.is_file():
-            raise FileExistsError(
-                f"{root} is a file; a ZeroShardStrategy checkpoint is a directory of that name"
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        zero.save_checkpoint(root / ZEROSHARD_SUBDIR)
         rest: dict[str, Any] = {}
         for key, value in state.items():
             if value is zero:
@@ -380,11 +373,7 @@ class ZeroShardStrategy(DDPStrategy):
                 rest[key] = value.state_dict()
             else:
                 rest[key] = value
-        if self.is_global_zero:
-            temporary = root / (LIGHTNING_STATE_FILE + ".tmp")
-            torch.save(rest, temporary)
-            os.replace(temporary, root / LIGHTNING_STATE_FILE)
-        self.barrier("ZeroShardStrategy.save_checkpoint")
+        write_checkpoint_directory(self, path, zero, rest)
 
     def load_checkpoint(
         self,
