@@ -131,9 +131,8 @@ class ZeroShardFabricPrecision(MixedPrecision):
 
 
 def _zero(optimizer: Any) -> ZeroOptimizer:
-    inner = optimizer
-    if not isinstance(inner, ZeroOptimizer):
-        inner = getattr(optimizer, "_optimizer", optimizer)  # Fabric's wrapper
+    # Fabric's wrapper first: it passes isinstance checks for the class it wraps.
+    inner = getattr(optimizer, "_optimizer", optimizer)
     if not isinstance(inner, ZeroOptimizer):
         raise TypeError(
             "ZeroShardStrategy expected the zeroshard.ZeroOptimizer fabric.setup returned, got "
