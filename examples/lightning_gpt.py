@@ -101,7 +101,10 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="optimizer state in CPU memory")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
-        "--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"]
+        "--precision",
+        default="32-true",
+        choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"],
+        help="-mixed: autocast over fp32 weights; -true: a 16-bit model, fp32 master weights",
     )
     parser.add_argument("--out", default="out/lightning_gpt")
     parser.add_argument("--resume", default=None, help="a checkpoint directory to resume from")

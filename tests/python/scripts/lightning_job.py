@@ -4,14 +4,16 @@ single-process reference).
     python lightning_job.py OUT '[{"name": "ddp", "api": "trainer", "strategy": "ddp"}, ...]'
 
 Runs one after the other in the same processes (importing lightning costs
-more than a run); each takes the keys of DEFAULTS below: api (trainer or
-fabric), strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
+more than a run); each takes the keys of DEFAULTS below: api (trainer, fabric or
+recipe: run_recipe's hand-written 16-bit training with fp32 masters),
+strategy (auto, ddp, zeroshard_stage_N...), precision, epochs, save,
 resume (a checkpoint), meta_build, clip_algorithm, expect_error (the run's
 error, as every rank raised it, is its result), validate (Trainer.validate of
 the checkpoint ``resume`` instead of fit: the result is the validation loss),
 nan_at (the Trainer's loss is NaN at this global step), fit_twice (a second
 trainer.fit with the same Trainer), save_onto_file (trainer.save_checkpoint to
-the path of a file rank 0 wrote).
+the path of a file rank 0 wrote), config (ZeroShardStrategy(config=...)
+instead of the registered name).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -161,17 +163,24 @@ class LitModel(pl.LightningModule):
         }
 
 
-def _strategy(name: str, api: str) -> object:
-    """The strategy registered as ``name`` in the Trainer's or Fabric's registry.
+def _strategy(opts: argparse.Namespace, api: str) -> object:
+    """The strategy of the run: ZeroShardStrategy(config=opts.config) when a
+    config is given, else the one registered as ``opts.strategy`` in the
+    Trainer's or Fabric's registry.
 
     At stage 3 every parameter is gathered and released
     (stage3_param_persistence_threshold 0): a tiny model's would otherwise all
     stay whole.
     """
-    if not name.startswith("zeroshard"):
+    name = opts.strategy
+    if not name.startswith("zeroshard") and opts.config is None:
         return name
-    import zeroshard.integrations.lightning  # noqa: F401 - registers the names
+    import zeroshard.integrations.lightning as trainer_strategies
+    from zeroshard.integrations.lightning import fabric as fabric_strategies
 
+    if opts.config is not None:
+        module = trainer_strategies if api == "trainer" else fabric_strategies
+        return module.ZeroShardStrategy(config=opts.config)
     if "stage_3" not in name:
         return name
     if api == "trainer":
@@ -199,7 +208,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=_strategy(opts.strategy, "trainer"),
+        strategy=_strategy(opts, "trainer"),
         **precision,
         max_epochs=opts.epochs,
         accumulate_grad_batches=ACCUMULATION,
@@ -238,6 +247,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     result = {
         "wrapped": model.wrapped,
         "syncs": model.syncs,
+        "param_dtype": str(next(model.parameters()).dtype),
         "losses": model.losses,
         "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
         "global_step": trainer.global_step,
@@ -255,8 +265,51 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     return result, params
 
 
+def run_recipe(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """run_trainer's training written out in one process with a 16-bit model
+    and fp32 master weights (zeroshard's mixed precision, "bf16-true" /
+    "16-true" under ZeroShardStrategy), fp16 with a fixed loss scale of 2^8
+    (the tests' config's initial_scale_power)."""
+    assert world == 1
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}[opts.precision]
+    scale = 2.0**8 if dtype == torch.float16 else 1.0
+    model = LitModel().to(dtype)
+    assert model.net is not None
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer, scheduler = make_optimizer(masters)
+    losses: list[float] = []
+    steps = 0
+    for _ in range(opts.epochs):
+        for i, batch in enumerate(loader(world)):
+            loss = loss_of(model.net, batch) * model.temperature
+            losses.append(loss.item())
+            (loss * (scale / ACCUMULATION)).backward()
+            if (i + 1) % ACCUMULATION == 0:
+                for p, m in zip(params, masters, strict=True):
+                    m.grad = p.grad.float() / scale
+                    p.grad = None
+                torch.nn.utils.clip_grad_norm_(masters, 1.0)
+                optimizer.step()
+                scheduler.step()  # type: ignore[attr-defined]
+                optimizer.zero_grad()
+                with torch.no_grad():
+                    for p, m in zip(params, masters, strict=True):
+                        p.copy_(m)
+                steps += 1
+    result = {
+        "wrapped": "recipe",
+        "losses": losses,
+        "lr": scheduler.get_last_lr(),  # type: ignore[attr-defined]
+        "global_step": steps,
+        "optimizer": "AdamW",
+    }
+    return result, {n: m.detach() for n, m in zip(names, masters, strict=True)}
+
+
 def run_fabric(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    strategy = _strategy(opts.strategy, "fabric")
+    strategy = _strategy(opts, "fabric")
     precision: dict = {"precision": opts.precision}
     if opts.precision == "16-mixed":
         # Fabric(precision="16-mixed") on CPU becomes bf16-mixed; the plugin stays fp16.
@@ -324,6 +377,7 @@ DEFAULTS = {
     "nan_at": -1,
     "fit_twice": False,
     "save_onto_file": False,
+    "config": None,
 }
 
 
@@ -338,7 +392,7 @@ def main() -> None:
         opts = argparse.Namespace(**{**DEFAULTS, **spec})
         opts.out = os.path.join(args.out, spec["name"])
         os.makedirs(opts.out, exist_ok=True)
-        run = run_trainer if opts.api == "trainer" else run_fabric
+        run = {"trainer": run_trainer, "fabric": run_fabric, "recipe": run_recipe}[opts.api]
         try:
             result, params = run(opts, world)
         except Exception as error:  # noqa: BLE001 - an expected error is the result

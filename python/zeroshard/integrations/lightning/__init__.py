@@ -22,10 +22,12 @@ What it changes from Lightning's DDP strategy:
 - ``accumulate_grad_batches`` micro-steps run under the optimizer's
   ``no_sync()``; ``gradient_clip_val`` clips by zeroshard's global norm
   (clipping by value is refused).
-- ``precision``: ``"32-true"``, ``"bf16-mixed"`` (autocast over the fp32
-  weights) and ``"16-mixed"`` (autocast, and zeroshard's dynamic loss
-  scaling: a step whose gradients overflow on any rank is skipped on every
-  rank); anything else is refused naming it.
+- ``precision``: ``"32-true"``; ``"bf16-mixed"`` and ``"16-mixed"``
+  (autocast over the fp32 weights, as Lightning's AMP); ``"bf16-true"`` and
+  ``"16-true"`` (the model in 16 bits, fp32 master weights in the
+  ZeroOptimizer: zeroshard's and DeepSpeed's mixed precision). fp16 uses
+  zeroshard's dynamic loss scaling: a step whose gradients overflow on any
+  rank is skipped on every rank. Anything else is refused naming it.
 - Stage 3 gathers the model's units around their forward; a
   ``configure_model`` hook builds its layers on the meta device and the
   ZeroOptimizer materializes them partitioned (each rank allocates its shards
@@ -56,7 +58,9 @@ from torch import nn
 
 from zeroshard.checkpoint import consolidated_state_dict
 from zeroshard.integrations.lightning._shared import (
+    HALF_DTYPES,
     LIGHTNING_STATE_FILE,
+    LOSS_SCALED,
     OPTIMIZER_MARKER,
     REGISTERED,
     ZEROSHARD_SUBDIR,
@@ -82,7 +86,7 @@ from zeroshard.optimizer import ZeroOptimizer
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -91,11 +95,14 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 class ZeroShardPrecision(MixedPrecision):
     """The precision plugin ``ZeroShardStrategy`` puts in place of Lightning's.
 
-    ``"bf16-mixed"`` / ``"16-mixed"`` run the forward under autocast (as
-    Lightning's ``MixedPrecision``) and ``"32-true"`` without; ``"16-mixed"``
-    scales the loss with :class:`DynamicLossScale` instead of torch's
-    ``GradScaler`` (which reads ``.grad``, freed at stages 2-3). Clipping by
-    norm uses zeroshard's global norm.
+    ``"bf16-mixed"`` / ``"16-mixed"`` run the forward under autocast over the
+    fp32 weights (as Lightning's ``MixedPrecision``); ``"bf16-true"`` /
+    ``"16-true"`` turn the model into 16 bits (as Lightning's
+    ``HalfPrecision``) and the ZeroOptimizer keeps fp32 master weights;
+    ``"32-true"`` changes nothing. fp16 scales the loss with
+    :class:`DynamicLossScale` instead of torch's ``GradScaler`` (which reads
+    ``.grad``, freed at stages 2-3). Clipping by norm uses zeroshard's global
+    norm.
     """
 
     def __init__(self, precision: str, device: str = "cpu") -> None:
@@ -105,10 +112,31 @@ class ZeroShardPrecision(MixedPrecision):
         self.precision = precision  # type: ignore[assignment]
         self.device = device
         self.scaler = None
-        self.loss_scale = DynamicLossScale() if precision == "16-mixed" else None
+        self.loss_scale = DynamicLossScale() if precision in LOSS_SCALED else None
+        self._half = HalfPrecision(precision) if precision in HALF_DTYPES else None  # type: ignore[arg-type]
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """The model in 16 bits for the "-true" precisions."""
+        return self._half.convert_module(module) if self._half is not None else module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """16-bit default dtype for the "-true" precisions."""
+        if self._half is not None:
+            return self._half.tensor_init_context()
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """As ``tensor_init_context``."""
+        return self.tensor_init_context()
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating-point inputs in 16 bits for the "-true" precisions."""
+        return self._half.convert_input(data) if self._half is not None else data
 
     def forward_context(self) -> contextlib.AbstractContextManager:  # type: ignore[override]
-        """Autocast for the mixed precisions; nothing for "32-true"."""
+        """Autocast ("-mixed"), a 16-bit default dtype ("-true") or nothing."""
+        if self._half is not None:
+            return self._half.forward_context()
         if self.precision == "32-true":
             return contextlib.nullcontext()
         return self.autocast_context_manager()
@@ -154,7 +182,7 @@ class ZeroShardPrecision(MixedPrecision):
         _zero(optimizer).clip_grad_norm_(float(clip_val))
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scale's state ("16-mixed"), else empty."""
+        """The loss scale's state (fp16), else empty."""
         return self.loss_scale.state_dict() if self.loss_scale is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -179,10 +207,13 @@ def _converted_precision(plugin: Precision | None) -> ZeroShardPrecision | None:
         return ZeroShardPrecision("32-true")
     if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
         return ZeroShardPrecision(plugin.precision, plugin.device)
+    if type(plugin) is HalfPrecision:
+        return ZeroShardPrecision(plugin.precision)
     check_precision(str(getattr(plugin, "precision", type(plugin).__name__)), "ZeroShardStrategy")
     raise ValueError(
         f"ZeroShardStrategy does not support the precision plugin {type(plugin).__name__}; "
-        "pass precision='32-true', 'bf16-mixed' or '16-mixed' to the Trainer"
+        "pass precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true' to the "
+        "Trainer"
     )
 
 
@@ -287,6 +318,8 @@ class ZeroShardStrategy(DDPStrategy):
         assert self.model is not None
         if getattr(self, "_layer_sync", None) is not None:
             raise ValueError("ZeroShardStrategy does not support sync_batchnorm=True yet")
+        if self.zero_optimizer is None:
+            self.model = self.precision_plugin.convert_module(self.model)
         meta = first_meta_parameter(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if meta is None:
@@ -336,6 +369,9 @@ class ZeroShardStrategy(DDPStrategy):
                 "ZeroShardStrategy clips by the global norm only: gradient_clip_algorithm='value' "
                 "is not supported (the gradients are sharded); use gradient_clip_algorithm='norm'"
             )
+        plugin = self.precision_plugin
+        if isinstance(plugin, ZeroShardPrecision) and arguments.loss_scale is not None:
+            plugin.loss_scale = arguments.loss_scale  # the config's fp16 section
         original = optimizers[0]
         zero = zero_optimizer_from(
             original, module, arguments, self.unit_classes, self.param_init_fn, self.root_device

@@ -62,7 +62,13 @@ LIGHTNING_STATE_FILE = "lightning.pt"
 # What stands in for the optimizer's state in Lightning's dictionary.
 OPTIMIZER_MARKER = {"zeroshard": f"the optimizer state is in {ZEROSHARD_SUBDIR}/"}
 
-_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+# "-mixed": autocast over fp32 weights (Lightning's AMP); "-true": the model
+# in 16 bits and fp32 master weights in the ZeroOptimizer (zeroshard's, and
+# DeepSpeed's, mixed precision).
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+HALF_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+# The precisions whose loss is scaled (fp16's narrow range).
+LOSS_SCALED = ("16-mixed", "16-true")
 
 # The names both registries (Trainer's and Fabric's) get: (name, description, arguments).
 REGISTERED: list[tuple[str, str, dict[str, Any]]] = [
@@ -85,10 +91,7 @@ REGISTERED: list[tuple[str, str, dict[str, Any]]] = [
 def check_precision(precision: str, where: str) -> None:
     """Raises ValueError for a precision the strategies do not map."""
     if precision not in _PRECISIONS:
-        raise ValueError(
-            f"{where} supports precision {list(_PRECISIONS)}, got {precision!r} (zeroshard keeps "
-            "fp32 master weights; for 16-bit compute use 'bf16-mixed' or '16-mixed')"
-        )
+        raise ValueError(f"{where} supports precision {list(_PRECISIONS)}, got {precision!r}")
 
 
 def default_config(
@@ -158,8 +161,10 @@ class ZeroArguments:
                     "your script (Fabric), and zeroshard builds a ZeroOptimizer with their "
                     "hyper-parameters. Remove the section"
                 )
-        wanted = {"fp16": precision == "16-mixed", "bf16": precision == "bf16-mixed"}
-        self.skip_nonfinite_steps = precision == "16-mixed"
+        wanted = {"fp16": precision.startswith("16-"), "bf16": precision.startswith("bf16-")}
+        # fp16's loss scale, from the config's fp16 section (DeepSpeed's keys).
+        self.loss_scale: DynamicLossScale | None = None
+        self.skip_nonfinite_steps = precision in LOSS_SCALED
         for name, enabled in wanted.items():
             section = config.pop(name, None) or {}
             flag = section.get("enabled", "auto")
@@ -171,6 +176,8 @@ class ZeroArguments:
                 )
             if name == "bf16" and section.get("check_grad_overflow", False):
                 self.skip_nonfinite_steps = True
+            if name == "fp16" and precision in LOSS_SCALED:
+                self.loss_scale = DynamicLossScale.from_config(section)
         if accumulation is not None:  # the Trainer
             _agree(config, "gradient_accumulation_steps", accumulation, "accumulate_grad_batches")
             if clip is not None or "gradient_clipping" in config:
@@ -324,24 +331,42 @@ def retarget_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: ZeroOpti
 
 
 class DynamicLossScale:
-    """fp16 loss scaling for '16-mixed' (DeepSpeed's defaults, no hysteresis).
+    """fp16 loss scaling (DeepSpeed's defaults and keys, no hysteresis).
 
     The loss is multiplied by ``scale`` before backward; the optimizer divides
     the reduced gradients by it (``set_loss_scale``), skips a step whose
     gradients overflowed on any rank (``skip_nonfinite_steps``), and then the
-    scale halves; after ``window`` good steps in a row it doubles.
+    scale halves (not below ``min_scale``); after ``window`` good steps in a
+    row it doubles. A ``static_scale`` > 0 stays as it is.
     """
 
     def __init__(
-        self, initial_scale_power: int = 16, window: int = 1000, min_scale: float = 1.0
+        self,
+        initial_scale_power: int = 16,
+        window: int = 1000,
+        min_scale: float = 1.0,
+        static_scale: float = 0.0,
     ) -> None:
-        self.scale = float(2**initial_scale_power)
+        self.static = static_scale > 0
+        self.scale = float(static_scale) if self.static else float(2**initial_scale_power)
         self.window = window
         self.min_scale = min_scale
         self.good_steps = 0
 
+    @classmethod
+    def from_config(cls, fp16: Mapping[str, Any]) -> DynamicLossScale:
+        """From a DeepSpeed config's ``fp16`` section (``loss_scale`` 0 is dynamic)."""
+        return cls(
+            initial_scale_power=int(fp16.get("initial_scale_power", 16)),
+            window=int(fp16.get("loss_scale_window", 1000)),
+            min_scale=float(fp16.get("min_loss_scale", 1.0)),
+            static_scale=float(fp16.get("loss_scale", 0.0)),
+        )
+
     def update(self, skipped: bool) -> None:
         """After a step: lower the scale on an overflow, raise it after a window."""
+        if self.static:
+            return
         if skipped:
             self.scale = max(self.scale / 2, self.min_scale)
             self.good_steps = 0

@@ -22,8 +22,10 @@ model and its optimizer together, once. ``fabric.save`` writes a directory:
 ``zeroshard/`` (the weights and optimizer state, every rank's shard) and
 ``lightning.pt`` (the rest of ``state``, with the model's buffers);
 ``fabric.load`` restores it at any world size or stage. Precision
-``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` (zeroshard's dynamic loss
-scaling). Also registered in Fabric's registry as ``zeroshard_stage_1`` ...
+``"32-true"``, ``"bf16-mixed"`` / ``"16-mixed"`` (autocast over fp32
+weights), ``"bf16-true"`` / ``"16-true"`` (the model in 16 bits, fp32 master
+weights in the ZeroOptimizer); fp16 with zeroshard's dynamic loss scaling.
+Also registered in Fabric's registry as ``zeroshard_stage_1`` ...
 ``zeroshard_stage_3_offload``.
 """
 
@@ -39,7 +41,9 @@ import torch
 from torch import nn
 
 from zeroshard.integrations.lightning._shared import (
+    HALF_DTYPES,
     LIGHTNING_STATE_FILE,
+    LOSS_SCALED,
     OPTIMIZER_MARKER,
     REGISTERED,
     ZEROSHARD_SUBDIR,
@@ -62,7 +66,7 @@ from zeroshard.optimizer import ZeroOptimizer
 # isort: split
 # After _shared, which checks the lightning version.
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
@@ -71,9 +75,11 @@ _MODEL_KEY_MARKER = "zeroshard_model"
 
 
 class ZeroShardFabricPrecision(MixedPrecision):
-    """Fabric's precision under zeroshard: autocast for the mixed precisions,
-    zeroshard's dynamic loss scaling for ``"16-mixed"`` (torch's GradScaler
-    reads ``.grad``, which stages 2-3 free)."""
+    """Fabric's precision under zeroshard: autocast over fp32 weights for
+    ``"bf16-mixed"`` / ``"16-mixed"``, the model in 16 bits with fp32 master
+    weights in the ZeroOptimizer for ``"bf16-true"`` / ``"16-true"``, and
+    zeroshard's dynamic loss scaling for fp16 (torch's GradScaler reads
+    ``.grad``, which stages 2-3 free)."""
 
     def __init__(self, precision: str, device: str = "cpu") -> None:
         check_precision(precision, "ZeroShardStrategy")
@@ -83,21 +89,43 @@ class ZeroShardFabricPrecision(MixedPrecision):
         self._desired_input_dtype = {
             "bf16-mixed": torch.bfloat16,
             "16-mixed": torch.float16,
+            **HALF_DTYPES,
         }.get(precision, torch.float32)
-        self.loss_scale = DynamicLossScale() if precision == "16-mixed" else None
+        self.loss_scale = DynamicLossScale() if precision in LOSS_SCALED else None
+        self._half = HalfPrecision(precision) if precision in HALF_DTYPES else None  # type: ignore[arg-type]
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """The model in 16 bits for the "-true" precisions."""
+        return self._half.convert_module(module) if self._half is not None else module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """16-bit default dtype for the "-true" precisions."""
+        if self._half is not None:
+            return self._half.tensor_init_context()
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """As ``tensor_init_context``."""
+        return self.tensor_init_context()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """Autocast for the mixed precisions; nothing for "32-true"."""
+        """Autocast ("-mixed"), a 16-bit default dtype ("-true") or nothing."""
+        if self._half is not None:
+            return self._half.forward_context()
         if self.precision == "32-true":
             return contextlib.nullcontext()
         return super().forward_context()
 
     def convert_input(self, data: Any) -> Any:
-        """As MixedPrecision; "32-true" leaves the inputs alone."""
+        """As MixedPrecision / HalfPrecision; "32-true" leaves the inputs alone."""
+        if self._half is not None:
+            return self._half.convert_input(data)
         return data if self.precision == "32-true" else super().convert_input(data)
 
     def convert_output(self, data: Any) -> Any:
-        """As MixedPrecision; "32-true" leaves the outputs alone."""
+        """As MixedPrecision / HalfPrecision; "32-true" leaves the outputs alone."""
+        if self._half is not None:
+            return self._half.convert_output(data)
         return data if self.precision == "32-true" else super().convert_output(data)
 
     def backward(
@@ -121,7 +149,7 @@ class ZeroShardFabricPrecision(MixedPrecision):
         """Nothing: zeroshard divides by the loss scale itself."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scale's state ("16-mixed"), else empty."""
+        """The loss scale's state (fp16), else empty."""
         return self.loss_scale.state_dict() if self.loss_scale is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -148,10 +176,12 @@ def _converted_precision(plugin: Precision | None) -> ZeroShardFabricPrecision |
         return ZeroShardFabricPrecision("32-true")
     if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
         return ZeroShardFabricPrecision(plugin.precision, plugin.device)
+    if type(plugin) is HalfPrecision:
+        return ZeroShardFabricPrecision(plugin.precision)
     check_precision(str(getattr(plugin, "precision", type(plugin).__name__)), "ZeroShardStrategy")
     raise ValueError(
         f"ZeroShardStrategy does not support the precision plugin {type(plugin).__name__}; "
-        "pass precision='32-true', 'bf16-mixed' or '16-mixed' to Fabric"
+        "pass precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true' to Fabric"
     )
 
 
@@ -264,6 +294,9 @@ class ZeroShardStrategy(DDPStrategy):
         )
         if scheduler is not None and zero is not original:
             retarget_scheduler(scheduler, original, zero)
+        plugin = self.precision
+        if isinstance(plugin, ZeroShardFabricPrecision) and arguments.loss_scale is not None:
+            plugin.loss_scale = arguments.loss_scale  # the config's fp16 section
         if self.precision.loss_scale is not None:  # type: ignore[attr-defined]
             zero._impl.set_loss_scale(self.precision.loss_scale.scale)  # type: ignore[attr-defined]
         self.zero_optimizer = zero
