@@ -28,10 +28,12 @@ What it changes from Lightning's DDP strategy:
   ZeroOptimizer: zeroshard's and DeepSpeed's mixed precision). fp16 uses
   zeroshard's dynamic loss scaling: a step whose gradients overflow on any
   rank is skipped on every rank. Anything else is refused naming it.
-- Stage 3 gathers the model's units around their forward; a
-  ``configure_model`` hook builds its layers on the meta device and the
-  ZeroOptimizer materializes them partitioned (each rank allocates its shards
-  only), initialized by ``reset_parameters`` (or ``param_init_fn``).
+- Stage 3 gathers the model's units around their forward, and runs the
+  LightningModule's steps as its forward (so the parameters it owns directly
+  are gathered for them); a ``configure_model`` hook builds its layers on
+  the meta device and the ZeroOptimizer materializes them partitioned (each
+  rank allocates its shards only), initialized by ``reset_parameters`` (or
+  ``param_init_fn``): values written in ``configure_model`` are not kept.
 - ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a directory (as
   DeepSpeedStrategy does): ``zeroshard/`` (every rank's shard of the weights
   and optimizer state) and ``lightning.pt`` (Lightning's own state: loops,
