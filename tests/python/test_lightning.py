@@ -105,7 +105,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
     out = tmp_path_factory.mktemp("two_ranks")
     runs: list[dict] = [{"name": "trainer-ddp", "strategy": "ddp"}]
     runs += [
-        {"name": f"trainer-{s}", "strategy": s, "save": s == "zeroshard_stage_2"} for s in STAGES
+        {"name": f"trainer-{s}", "strategy": s, "save": s == "zeroshard_stage_2", "predict": True}
+        for s in STAGES
     ]
     runs += [
         {"name": "trainer-stage3-meta", "strategy": "zeroshard_stage_3", "meta_build": True},
@@ -117,6 +118,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
          "clip_algorithm": "value", "expect_error": True},
         *PRECISION_RUNS,
         *TRUE_RUNS,
+        {"name": "trainer-two-optimizers", "strategy": "zeroshard_stage_2", "optimizers": 2,
+         "expect_error": True},
         {"name": "trainer-fit-twice", "strategy": "zeroshard_stage_1", "epochs": 1,
          "fit_twice": True, "expect_error": True},
         {"name": "trainer-save-onto-file", "strategy": "zeroshard_stage_2", "epochs": 1,
@@ -304,6 +307,23 @@ def test_clipping_by_value_is_refused_on_every_rank(two_ranks: tuple[dict, Path]
     errors = results["trainer-clip-by-value"]["errors"]
     assert len(errors) == 2
     assert all("gradient_clip_algorithm='value' is not supported" in e for e in errors), errors
+
+
+def test_two_optimizers_are_refused_on_every_rank(two_ranks: tuple[dict, Path]) -> None:
+    results, _ = two_ranks
+    errors = results["trainer-two-optimizers"]["errors"]
+    assert len(errors) == 2
+    assert all("needs exactly one optimizer from configure_optimizers" in e for e in errors)
+    assert all("['AdamW', 'SGD']" in e for e in errors), errors
+
+
+def test_predict_after_fit_runs_gathered_at_stage_3(two_ranks: tuple[dict, Path]) -> None:
+    # At stage 3 predict_step runs as the LightningModule's forward: its own
+    # parameter (and the units outside the blocks) are gathered for it.
+    results, _ = two_ranks
+    expected = results["trainer-zeroshard_stage_1"]["predicted"]
+    for stage in STAGES[1:]:
+        assert results[f"trainer-{stage}"]["predicted"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_second_fit_is_refused_on_every_rank(two_ranks: tuple[dict, Path]) -> None:

@@ -13,7 +13,8 @@ the checkpoint ``resume`` instead of fit: the result is the validation loss),
 nan_at (the Trainer's loss is NaN at this global step), fit_twice (a second
 trainer.fit with the same Trainer), save_onto_file (trainer.save_checkpoint to
 the path of a file rank 0 wrote), config (ZeroShardStrategy(config=...)
-instead of the registered name).
+instead of the registered name), optimizers (2: configure_optimizers returns
+two), predict (trainer.predict after fit: the sum of this rank's predictions).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -124,6 +125,7 @@ class LitModel(pl.LightningModule):
         self.built_on: str | None = None
         self.wrapped = ""
         self.syncs: list[bool] = []
+        self.optimizers_returned = 1
 
     def reset_parameters(self) -> None:
         """Initializes the LightningModule's own parameter (stage 3 materializes
@@ -155,8 +157,18 @@ class LitModel(pl.LightningModule):
         assert self.net is not None
         self.log("val_loss", loss_of(self.net, batch) * self.temperature, sync_dist=True)
 
-    def configure_optimizers(self) -> dict:
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.net is not None
+        return self.net(batch[0]).float().sum() * self.temperature
+
+    def configure_optimizers(self) -> object:
         optimizer, scheduler = make_optimizer(self.parameters())
+        if self.optimizers_returned == 2:  # one optimizer per half of the model
+            assert self.net is not None
+            return [
+                torch.optim.AdamW(self.net.parameters()),
+                torch.optim.SGD([self.temperature], lr=0.1),  # type: ignore[list-item]
+            ]
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
@@ -211,8 +223,9 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         strategy=_strategy(opts, "trainer"),
         **precision,
         max_epochs=opts.epochs,
-        accumulate_grad_batches=ACCUMULATION,
-        gradient_clip_val=1.0,
+        # Manual optimization (several optimizers) accumulates and clips itself.
+        accumulate_grad_batches=ACCUMULATION if opts.optimizers == 1 else 1,
+        gradient_clip_val=1.0 if opts.optimizers == 1 else None,
         gradient_clip_algorithm=opts.clip_algorithm,
         logger=False,
         enable_progress_bar=False,
@@ -223,11 +236,17 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         use_distributed_sampler=False,
     )
     model = LitModel(meta_build=opts.meta_build, nan_at=opts.nan_at)
+    model.optimizers_returned = opts.optimizers
+    if opts.optimizers > 1:  # Lightning itself refuses several in automatic optimization
+        model.automatic_optimization = False
     if opts.validate:
         # The full weights of a checkpoint, outside fit.
         metrics = trainer.validate(model, loader(world), ckpt_path=opts.resume, verbose=False)
         return {"val_loss": metrics[0]["val_loss"], "optimizers": len(trainer.optimizers)}, {}
     trainer.fit(model, loader(world), ckpt_path=opts.resume)
+    predicted = None
+    if opts.predict:  # after fit: at stage 3 predict_step runs gathered as the model's forward
+        predicted = float(sum(trainer.predict(model, loader(world))))  # type: ignore[arg-type]
     if opts.save_onto_file:
         blocker = os.path.join(opts.out, "a_file.ckpt")
         if trainer.is_global_zero:
@@ -248,6 +267,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
         "wrapped": model.wrapped,
         "syncs": model.syncs,
         "param_dtype": str(next(model.parameters()).dtype),
+        "predicted": predicted,
         "losses": model.losses,
         "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
         "global_step": trainer.global_step,
@@ -378,6 +398,8 @@ DEFAULTS = {
     "fit_twice": False,
     "save_onto_file": False,
     "config": None,
+    "optimizers": 1,
+    "predict": False,
 }
 
 
