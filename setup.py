@@ -74,12 +74,16 @@ setup(
     version="0.1.0",
     description="ZeRO stages 1-3 as a C++ LibTorch extension with a thin Python layer",
     package_dir={"": "python"},
-    packages=["zeroshard", "zeroshard.integrations"],
+    packages=["zeroshard", "zeroshard.integrations", "zeroshard.integrations.lightning"],
     ext_modules=[Extension("zeroshard._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     # The versions zeroshard.integrations is tested with (tests/python/test_hf_trainer.py,
-    # test_accelerate.py): transformers 5.25, accelerate 1.15.
-    extras_require={"hf": ["transformers>=5.0,<6", "accelerate>=1.10,<2", "safetensors"]},
+    # test_accelerate.py, test_lightning.py): transformers 5.25, accelerate 1.15,
+    # lightning 2.6.6 (zeroshard.integrations.lightning refuses other minor versions).
+    extras_require={
+        "hf": ["transformers>=5.0,<6", "accelerate>=1.10,<2", "safetensors"],
+        "lightning": ["lightning>=2.6,<2.7"],
+    },
 )

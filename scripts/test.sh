@@ -18,8 +18,15 @@ if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
 fi
 
 # The libraries the integration tests train inside (zeroshard.integrations);
-# the versions are the ones those tests pin down (setup.py's "hf" extra).
+# the versions are the ones those tests pin down (setup.py's "hf" and
+# "lightning" extras). lightning and torchmetrics without their dependencies,
+# so that pip keeps the torch installed, then the ones torch does not bring.
 "$PYTHON" -c "import accelerate" 2>/dev/null || "$PYTHON" -m pip install -q "accelerate>=1.10,<2"
+if ! "$PYTHON" -c "import lightning" 2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-deps "lightning>=2.6,<2.7" "lightning-utilities>=0.10,<2" \
+    "torchmetrics>0.7,<3"
+  "$PYTHON" -m pip install -q "PyYAML>5.4" "tqdm>=4.57" "packaging>=23" "numpy>1.20"
+fi
 
 echo "== Python tests (pytest)"
 "$PYTHON" -m pytest tests/python -q -p no:cacheprovider "$@"

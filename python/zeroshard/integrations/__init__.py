@@ -4,8 +4,10 @@
   that trains with a zeroshard optimizer built from a DeepSpeed-style config.
 - :mod:`zeroshard.integrations.accelerate`: ``prepare`` for scripts launched
   with ``accelerate launch``.
+- :mod:`zeroshard.integrations.lightning`: ``ZeroShardStrategy`` for
+  Lightning's ``Trainer`` (and ``.fabric``'s for ``Fabric``).
 
-Both keep the model out of DistributedDataParallel (zeroshard reduces the
+All keep the model out of DistributedDataParallel (zeroshard reduces the
 gradients itself), route clipping and the logged norm through zeroshard's
 global norm, and save zeroshard checkpoints that resume at any world size.
 """
