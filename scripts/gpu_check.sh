@@ -8,9 +8,12 @@
 # a short optimizer benchmark against torch.optim.AdamW (default, foreach,
 # fused) on the GPU and the host (CPU offload) Adam kernel benchmark on that
 # machine's CPU. Headers that machine lacks (nlohmann/json) may travel in
-# .devdeps/include (scripts/gpu_check_deps.sh fills it). Everything goes to
-# one folder: $OUT if set (the device tool's output folder), else
-# gpu_check_results/. Budget: about 8 minutes on 16 cores.
+# .devdeps/include (scripts/gpu_check_deps.sh fills it). Also: the offload
+# and host-sync CUDA tests under TORCH_CUDA_SANITIZER=1, and
+# benchmarks/bench_gpu_fake_world.py (one GPU as rank 0 of 8 on torch's fake
+# group; docs/gpu.md). Everything goes to one folder: $OUT if set (the device
+# tool's output folder), else gpu_check_results/. Budget: about 10 minutes on
+# 16 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-gpu_check_results}"
@@ -52,6 +55,16 @@ status=0
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 90)
   timeout 300 "$PYTHON" -m pytest tests/python/test_cuda.py -v -s -p no:cacheprovider \
     "${timeout_flag[@]}" --junitxml="$RESULTS/cuda_tests.xml" || status=1
+
+  echo "== the side-stream and offload tests under the CUDA sanitizer (CSAN)"
+  TORCH_CUDA_SANITIZER=1 timeout 180 "$PYTHON" -m pytest tests/python/test_cuda.py -q -s \
+    -p no:cacheprovider "${timeout_flag[@]}" -k "offload or host_syncs" || status=1
+
+  echo "== one GPU as rank 0 of 8 (fake group): stages 1-3 vs FSDP2 and fused AdamW"
+  # A 0.67B bf16 GPT: step time, peak memory, host syncs (counted, profiled),
+  # aligned vs misaligned GEMM, pinned vs pageable offload.
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" timeout 240 "$PYTHON" \
+    benchmarks/bench_gpu_fake_world.py --out "$RESULTS/fake_world.md" || status=1
 
   echo "== NVMe offload on the GPU, one process (native backtrace if it crashes)"
   # It once crashed here (a second libstdc++, see cmake/shared_libstdcxx.cmake):

@@ -15,6 +15,7 @@
 
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -519,6 +520,13 @@ PYBIND11_MODULE(_C, m) {
       .def("num_units", &ZeroOptimizer::num_units)
       .def("agreements", &ZeroOptimizer::agreements)
       .def("diverged_agreements", &ZeroOptimizer::diverged_agreements)
+      .def("host_sync_counts", &ZeroOptimizer::host_sync_counts)
+      .def(
+          "set_host_channel",
+          [](ZeroOptimizer& self, std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> group) {
+            self.set_host_channel(group ? *group : c10::intrusive_ptr<c10d::ProcessGroup>());
+          },
+          py::arg("group"))
       .def("last_step_skipped", &ZeroOptimizer::last_step_skipped)
       .def("skipped_steps", &ZeroOptimizer::skipped_steps)
       .def("set_loss_scale", &ZeroOptimizer::set_loss_scale, py::arg("scale"))

@@ -46,9 +46,8 @@ const char* agreement_barrier_name(AgreementBarrier barrier) {
   return "an unknown point";
 }
 
-CollectiveAgreement::CollectiveAgreement(Communicator& comm, c10::Device device, int64_t num_units,
-                                         int64_t num_buckets)
-    : comm_(comm), device_(device), num_units_(num_units), num_buckets_(num_buckets) {}
+CollectiveAgreement::CollectiveAgreement(Communicator& comm, int64_t num_units, int64_t num_buckets)
+    : comm_(comm), num_units_(num_units), num_buckets_(num_buckets) {}
 
 Agreement CollectiveAgreement::agree(AgreementRequest request) {
   sort_unique(request.demand);
@@ -61,7 +60,7 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
   const bool at_barrier = request.barrier != AgreementBarrier::kNone;
 
   const int64_t signature = request_signature(request);
-  const auto [largest, smallest] = comm_.extremes(signature, device_, "agreement");
+  const auto [largest, smallest] = comm_.extremes(signature, "agreement");
   if (largest == signature && smallest == signature) {
     // Every rank asked the same: act on this rank's own request.
     out.unanimous = true;
@@ -95,9 +94,7 @@ Agreement CollectiveAgreement::agree(AgreementRequest request) {
   c[barrier_at + 1] = kind;
   c[barrier_at + 2] = kind * kind;
   c[barrier_at + 3] = request.round_open ? 1 : 0;
-  counts = counts.to(device_);
-  comm_.all_reduce_sum(counts, "agreement_counts");
-  counts = counts.cpu();
+  comm_.all_reduce_on_host(counts, c10d::ReduceOp::SUM, "agreement_counts");
   c = counts.data_ptr<int64_t>();
   for (int64_t unit = 0; unit < num_units_; ++unit) {
     if (c[demand_at + unit] > 0 || c[prefetch_at + unit] == world) {

@@ -16,6 +16,15 @@ int64_t bytes_of(const at::Tensor& tensor) {
   return tensor.numel() * static_cast<int64_t>(tensor.element_size());
 }
 
+bool has_cpu_backend(const c10d::ProcessGroup& group) {
+  for (const c10::Device& device : group.getDeviceTypes()) {
+    if (device.is_cpu()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 const char* collective_kind_name(CollectiveKind kind) {
@@ -121,6 +130,22 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> process_group)
   TORCH_CHECK_VALUE(process_group_, "zeroshard needs a process group; got a null one");
   rank_ = process_group_->getRank();
   world_size_ = process_group_->getSize();
+  if (has_cpu_backend(*process_group_)) {
+    host_group_ = process_group_;
+  }
+}
+
+void Communicator::set_host_channel(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK_VALUE(group, "set_host_channel needs a process group; got a null one");
+  TORCH_CHECK_VALUE(group->getSize() == world_size_ && group->getRank() == rank_,
+                    "the host channel must span the same ranks in the same order as its group: "
+                    "it has rank ",
+                    group->getRank(), " of ", group->getSize(), ", the group rank ", rank_, " of ",
+                    world_size_);
+  TORCH_CHECK_VALUE(has_cpu_backend(*group),
+                    "the host channel must take host tensors (a Gloo group); this group has no "
+                    "CPU backend");
+  host_group_ = std::move(group);
 }
 
 Communicator::~Communicator() {
@@ -228,7 +253,7 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
   int64_t largest = 0;
   int64_t smallest = 0;
   try {
-    std::tie(largest, smallest) = extremes(signature, tensor.device(), "order_check");
+    std::tie(largest, smallest) = extremes(signature, "order_check");
   } catch (const c10::DistBackendError& e) {
     // Already names the lost ranks; say what this rank was about to do.
     C10_THROW_ERROR(DistBackendError,
@@ -268,15 +293,65 @@ void Communicator::all_reduce_max(at::Tensor& tensor, const std::string& tag) {
   all_reduce(tensor, c10d::ReduceOp::MAX, tag);
 }
 
-std::pair<int64_t, int64_t> Communicator::extremes(int64_t value, c10::Device device,
-                                                   const std::string& tag) {
-  std::vector<at::Tensor> tensors{at::tensor({value, -value}, at::kLong).to(device)};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::MAX;
-  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, 16, tag).wait();
-  const at::Tensor both = tensors[0].cpu();
+std::pair<int64_t, int64_t> Communicator::extremes(int64_t value, const std::string& tag) {
+  at::Tensor both = at::tensor({value, -value}, at::kLong);
+  send_on_host(both, c10d::ReduceOp::MAX, tag);
   const auto* e = both.data_ptr<int64_t>();
   return {e[0], -e[1]};
+}
+
+void Communicator::all_reduce_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                                      const std::string& tag) {
+  TORCH_INTERNAL_ASSERT(tensor.device().is_cpu(), "all_reduce_on_host takes host tensors");
+  check_order(CollectiveKind::kAllReduce, tensor, tag);
+  send_on_host(tensor, op, tag);
+}
+
+void Communicator::send_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                                const std::string& tag) {
+  if (world_size_ == 1) {
+    return;  // the identity, wherever the group's backend is
+  }
+  c10d::AllreduceOptions options;
+  options.reduceOp = op;
+  if (host_group_) {
+    std::vector<at::Tensor> tensors{tensor};
+    track(host_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
+          tag)
+        .wait();
+    return;
+  }
+  std::vector<at::Tensor> tensors{tensor.to(device_)};
+  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
+        tag)
+      .wait();
+  tensor.copy_(read_to_host(tensors[0], host_syncs_, HostSync::kHostDataOnDevice));
+}
+
+void Communicator::all_gather_on_host(at::Tensor& output, const at::Tensor& input,
+                                      const std::string& tag) {
+  TORCH_INTERNAL_ASSERT(input.device().is_cpu() && output.device().is_cpu(),
+                        "all_gather_on_host takes host tensors");
+  TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * world_size_,
+                        "all_gather_on_host: output must be world_size times the input");
+  if (world_size_ == 1) {
+    output.copy_(input.reshape({-1}));
+    return;
+  }
+  check_order(CollectiveKind::kAllGather, output, tag);
+  if (host_group_) {
+    at::Tensor source = input.contiguous().clone();
+    track(host_group_->_allgather_base(output, source), CollectiveKind::kAllGather,
+          bytes_of(output), tag)
+        .wait();
+    return;
+  }
+  at::Tensor source = input.to(device_);
+  at::Tensor gathered = at::empty(output.sizes(), source.options());
+  track(process_group_->_allgather_base(gathered, source), CollectiveKind::kAllGather,
+        bytes_of(output), tag)
+      .wait();
+  output.copy_(read_to_host(gathered, host_syncs_, HostSync::kHostDataOnDevice));
 }
 
 PendingCollective Communicator::reduce_scatter_sum(at::Tensor& output, at::Tensor& input,

@@ -13,18 +13,17 @@
 namespace zeroshard {
 
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
-                                            c10::Device device, const std::string& tag) {
-  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(device);
-  comm.all_reduce_max(length, tag + "_length");
-  const int64_t width = length.cpu().item<int64_t>() + 8;
+                                            const std::string& tag) {
+  // Host data: over the host channel (see [Note: the host channel]).
+  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  comm.all_reduce_on_host(length, c10d::ReduceOp::MAX, tag + "_length");
+  const int64_t width = length.item<int64_t>() + 8;
   at::Tensor input = at::zeros({width}, at::kByte);
   const uint64_t size = mine.size();
   std::memcpy(input.data_ptr(), &size, 8);
   std::memcpy(static_cast<char*>(input.data_ptr()) + 8, mine.data(), mine.size());
-  input = input.to(device);
-  at::Tensor output = at::empty({width * comm.world_size()}, input.options());
-  comm.all_gather(output, input, tag).wait();
-  output = output.cpu();
+  at::Tensor output = at::empty({width * comm.world_size()}, at::kByte);
+  comm.all_gather_on_host(output, input, tag);
   std::vector<std::string> all;
   const char* bytes = static_cast<const char*>(output.data_ptr());
   for (int64_t r = 0; r < comm.world_size(); ++r) {
@@ -125,7 +124,7 @@ std::string combined_error(const std::vector<std::string>& errors) {
 }
 
 std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
-                           c10::Device device, const std::string& tag) {
+                           const std::string& tag) {
   std::vector<const AgreementGroup*> groups;
   for (const AgreementGroup& group : scope) {
     if (group.comm != nullptr) {
@@ -148,7 +147,7 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
     ranks *= group->comm->world_size();
     std::vector<RankFailure> merged;
     for (const std::string& each :
-         all_gather_strings(*group->comm, encode(known), device, group->tag_prefix + tag)) {
+         all_gather_strings(*group->comm, encode(known), group->tag_prefix + tag)) {
       for (RankFailure& failure : decode(each)) {
         merged.push_back(std::move(failure));
       }
@@ -184,8 +183,8 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
 
 void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,
                               const std::string& local_error, const std::string& what,
-                              c10::Device device, const std::string& tag) {
-  const std::string agreed = agree_on_error(scope, local_error, device, tag);
+                              const std::string& tag) {
+  const std::string agreed = agree_on_error(scope, local_error, tag);
   TORCH_CHECK_VALUE(local_error.empty(), local_error);
   TORCH_CHECK_VALUE(agreed.empty(), "another rank failed to ", what,
                     "; failing here too instead of waiting for it: ", agreed);

@@ -7,8 +7,8 @@
 namespace zeroshard {
 
 ProcessGroups::ProcessGroups(std::unique_ptr<Communicator> shard,
-                             std::unique_ptr<Communicator> replica, c10::Device device)
-    : shard_(std::move(shard)), replica_(std::move(replica)), device_(device) {
+                             std::unique_ptr<Communicator> replica)
+    : shard_(std::move(shard)), replica_(std::move(replica)) {
   TORCH_CHECK_VALUE(shard_ != nullptr, "ProcessGroups needs the shard group");
 }
 
@@ -38,7 +38,7 @@ int64_t ProcessGroups::checkpoint_rank() const {
 
 std::vector<std::string> ProcessGroups::all_gather_among_writers(const std::string& mine,
                                                                  const std::string& tag) const {
-  std::vector<std::string> shard_group = all_gather_strings(*shard_, mine, device_, tag);
+  std::vector<std::string> shard_group = all_gather_strings(*shard_, mine, tag);
   if (!model_parallel_) {
     return shard_group;
   }
@@ -49,7 +49,7 @@ std::vector<std::string> ProcessGroups::all_gather_among_writers(const std::stri
   }
   std::vector<std::string> all;
   for (const std::string& group :
-       all_gather_strings(*model_parallel_, packed, device_, model_parallel_tag() + tag)) {
+       all_gather_strings(*model_parallel_, packed, model_parallel_tag() + tag)) {
     for (size_t at = 0; at < group.size();) {
       const size_t colon = group.find(':', at);
       const size_t length = std::stoull(group.substr(at, colon - at));
@@ -88,12 +88,12 @@ std::vector<Communicator*> ProcessGroups::communicators() const {
 
 std::string ProcessGroups::agree(const std::string& local_error, const std::string& tag,
                                  const std::vector<AgreementGroup>& scope) const {
-  return agree_on_error(scope.empty() ? this->scope() : scope, local_error, device_, tag);
+  return agree_on_error(scope.empty() ? this->scope() : scope, local_error, tag);
 }
 
 void ProcessGroups::raise_if_any_failed(const std::string& local_error, const std::string& what,
                                         const std::string& tag) const {
-  raise_if_any_rank_failed(scope(), local_error, what, device_, tag);
+  raise_if_any_rank_failed(scope(), local_error, what, tag);
 }
 
 void ProcessGroups::broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) const {
@@ -104,13 +104,13 @@ void ProcessGroups::broadcast_across_replicas(at::Tensor& tensor, const std::str
 
 void ProcessGroups::max_across_replicas(at::Tensor& tensor, const std::string& tag) const {
   if (replica_) {
-    replica_->all_reduce_max(tensor, "replicas/" + tag);
+    replica_->all_reduce_on_host(tensor, c10d::ReduceOp::MAX, "replicas/" + tag);
   }
 }
 
 void ProcessGroups::max_across_model_parallel(at::Tensor& tensor, const std::string& tag) const {
   if (model_parallel_) {
-    model_parallel_->all_reduce_max(tensor, model_parallel_tag() + tag);
+    model_parallel_->all_reduce_on_host(tensor, c10d::ReduceOp::MAX, model_parallel_tag() + tag);
   }
 }
 

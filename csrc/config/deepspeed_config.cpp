@@ -227,7 +227,8 @@ void read_zero(const Section& top, DeepSpeedConfig& out) {
     zero.integer(key, 0, std::numeric_limits<int64_t>::min());
   }
 
-  const bool pin = zero.boolean("cpu_offload_use_pin_memory", false);
+  // A section without pin_memory gets zeroshard's default (pinned on CUDA).
+  const bool pin = zero.boolean("cpu_offload_use_pin_memory", OffloadOptions().pin_memory());
   OffloadOptions optimizer_offload =
       read_offload(zero, "offload_optimizer", pin, out, &out.offload_optimizer);
   OffloadOptions param_offload = read_offload(zero, "offload_param", pin, out, &out.offload_param);

@@ -237,8 +237,9 @@ bool Engine::step() {
   optimizer_.zero_grad();
   optimizer_s_ += seconds_since(start);
   if (loss_sum_.defined()) {
-    last_loss_ =
-        loss_sum_.item<double>() / static_cast<double>(config_.gradient_accumulation_steps);
+    // Read when a line prints, not here: a read each step would make the
+    // host wait for the device every step ([Note: host syncs, counted]).
+    last_loss_sum_ = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
   }
   if (global_steps_ % config_.steps_per_print == 0) {
@@ -252,7 +253,12 @@ void Engine::emit_telemetry() {
   const auto steps = static_cast<double>(global_steps_ - steps_at_last_line_);
   TelemetryRecord record;
   record.step = global_steps_;
-  record.loss = last_loss_;
+  record.loss =
+      last_loss_sum_.defined()
+          ? read_to_host(last_loss_sum_, &optimizer_.host_sync_counter(), HostSync::kTelemetry)
+                    .item<double>() /
+                static_cast<double>(config_.gradient_accumulation_steps)
+          : 0.0;
   record.lr = get_lr().front();
   record.loss_scale = loss_scale();
   record.skipped_steps = skipped_steps_;

@@ -3,6 +3,7 @@
 #include "zeroshard/mapped_host_memory.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
@@ -28,7 +29,7 @@ GradientBuckets::GradientBuckets(const PartitionLayout& layout, Communicator& co
                                  bool launch_eagerly, BucketComplete on_complete)
     : layout_(layout),
       comm_(comm),
-      host_receiver_(std::max<size_t>(1, max_in_flight)),
+      host_receiver_(std::max<size_t>(1, max_in_flight), comm.host_sync_counter()),
       grad_options_(std::move(grad_options)),
       grad_shard_of_(std::move(grad_shard_of)),
       on_complete_(std::move(on_complete)),
@@ -100,6 +101,18 @@ void GradientBuckets::ensure_staging(size_t g, size_t b) {
   peak_staging_bytes_ = std::max(peak_staging_bytes_, live_staging_bytes_);
 }
 
+void GradientBuckets::stage(at::Tensor target, const at::Tensor& grad, bool accumulate) const {
+  const at::Tensor flat = grad.reshape({-1});
+  if (predivide_ == 1.0) {
+    accumulate ? target.add_(flat) : target.copy_(flat);
+  } else if (accumulate) {
+    target.add_(flat, 1.0 / predivide_);
+  } else {
+    // One pass: the division is the copy (mul_out converts dtypes as copy_).
+    at::mul_out(target, flat.to(target.scalar_type()), 1.0 / predivide_);
+  }
+}
+
 void GradientBuckets::release_staging(const at::Tensor& staging) {
   live_staging_bytes_ -= bytes_of(staging);
 }
@@ -128,9 +141,9 @@ void GradientBuckets::add_gradient(size_t g, int64_t index, const at::Tensor& gr
   ensure_staging(g, b);
   at::Tensor target = state.staging.narrow(0, position, slot.numel);
   if (state.filled[slot_in_bucket]) {
-    target.add_(grad.reshape({-1}));
+    stage(target, grad, /*accumulate=*/true);
   } else {
-    target.copy_(grad.reshape({-1}));
+    stage(target, grad, /*accumulate=*/false);
     state.filled[slot_in_bucket] = true;
     state.pending -= 1;
     completions_ += state.pending == 0 ? 1 : 0;
@@ -251,17 +264,23 @@ void GradientBuckets::launch(size_t g, size_t b) {
   const Bucket& bucket = group.buckets()[b];
   BucketState& state = buckets_[g][b];
   ensure_staging(g, b);
-  // Zero what no gradient wrote: padding and parameters that had none.
-  int64_t written_end = 0;
+  // Zero what no gradient wrote: padding (between slots too: [Note: aligned
+  // slots]) and parameters that had none, in as few ranges as there are.
+  int64_t zero_from = 0;  // start of the range of unwritten elements so far
   for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
     const ParamSlot& slot = group.slots()[s];
-    const int64_t position = slot.flat_offset - bucket.flat_offset;
-    if (slot.numel > 0 && !state.filled[s - bucket.first_slot]) {
-      state.staging.narrow(0, position, slot.numel).zero_();
+    if (slot.numel == 0 || !state.filled[s - bucket.first_slot]) {
+      continue;
     }
-    written_end = std::max(written_end, position + slot.numel);
+    const int64_t position = slot.flat_offset - bucket.flat_offset;
+    if (position > zero_from) {
+      state.staging.narrow(0, zero_from, position - zero_from).zero_();
+    }
+    zero_from = position + slot.numel;
   }
-  state.staging.narrow(0, written_end, bucket.numel - written_end).zero_();
+  if (bucket.numel > zero_from) {
+    state.staging.narrow(0, zero_from, bucket.numel - zero_from).zero_();
+  }
   while (in_flight_.size() >= max_in_flight_) {
     complete_oldest();
   }
@@ -318,8 +337,8 @@ void GradientBuckets::flush(const LeftoverGradient& leftover, bool force_round) 
       at::Tensor grad = leftover(g, slot.param_index);
       if (grad.defined()) {
         ensure_staging(g, b);
-        state.staging.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel)
-            .copy_(grad.reshape({-1}));
+        stage(state.staging.narrow(0, slot.flat_offset - bucket.flat_offset, slot.numel), grad,
+              /*accumulate=*/false);
         state.filled[s - bucket.first_slot] = true;
         reported_[g][slot.param_index] = true;
       }

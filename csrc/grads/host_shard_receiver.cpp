@@ -51,6 +51,9 @@ void HostShardReceiver::receive(const at::Tensor& target, const at::Tensor& redu
 
 void HostShardReceiver::drain_oldest() {
   Pending& oldest = pending_.front();
+  if (syncs_ != nullptr) {
+    syncs_->count(HostSync::kOffloadGradientCopy);
+  }
   oldest.copied.synchronize();
   oldest.target.add_(oldest.staging);
   pending_.pop_front();

@@ -25,10 +25,12 @@ uint64_t mix(uint64_t hash, int64_t value) {
 }  // namespace
 
 GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
-                         int64_t bucket_numel, const std::vector<int64_t>& param_units)
-    : world_size_(world_size), bucket_numel_(bucket_numel) {
+                         int64_t bucket_numel, const std::vector<int64_t>& param_units,
+                         int64_t alignment)
+    : world_size_(world_size), bucket_numel_(bucket_numel), alignment_(alignment) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ", bucket_numel);
+  TORCH_CHECK_VALUE(alignment >= 1, "alignment must be >= 1 element, got ", alignment);
   const auto num_params = static_cast<int64_t>(param_numels.size());
   TORCH_CHECK_VALUE(param_units.empty() || param_units.size() == param_numels.size(),
                     "param_units must be empty or give one unit per parameter");
@@ -65,16 +67,18 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
                      [&](int64_t a, int64_t b) { return key[a] < key[b]; });
   }
 
-  // See [Note: Partition layout]: reverse registration order.
+  // See [Note: Partition layout]: reverse registration order; [Note: aligned
+  // slots]: each slot at an aligned offset, each bucket a multiple of
+  // world_size x alignment.
   int64_t offset = 0;
   Bucket open;
   open.first_slot = 0;
-  int64_t open_real_numel = 0;
+  int64_t open_end = 0;  // the open bucket's used length, padding between slots included
   auto close_bucket = [&]() {
-    if (open_real_numel == 0) {
+    if (open_end == 0) {
       return;
     }
-    open.numel = round_up(open_real_numel, world_size_);
+    open.numel = round_up(open_end, world_size_ * alignment_);
     open.shard_numel = open.numel / world_size_;
     open.end_slot = static_cast<int64_t>(slots_.size());
     offset = open.flat_offset + open.numel;
@@ -83,7 +87,7 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     open.flat_offset = offset;
     open.first_slot = static_cast<int64_t>(slots_.size());
     open.shard_offset = buckets_.back().shard_offset + buckets_.back().shard_numel;
-    open_real_numel = 0;
+    open_end = 0;
   };
   for (int64_t index : order) {
     const int64_t numel = param_numels[index];
@@ -95,19 +99,20 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     if (numel > 0) {
       // A unit is never split (it is gathered as one); parameters of no unit
       // are cut into buckets by size as usual.
-      const bool unit_changes = open_real_numel > 0 && slot.unit != open.unit;
-      const bool too_big =
-          open_real_numel > 0 && slot.unit == kNoUnit && open_real_numel + numel > bucket_numel_;
+      const bool unit_changes = open_end > 0 && slot.unit != open.unit;
+      const bool too_big = open_end > 0 && slot.unit == kNoUnit &&
+                           round_up(open_end, alignment_) + numel > bucket_numel_;
       if (unit_changes || too_big) {
         close_bucket();
       }
       open.unit = slot.unit;
-      slot.flat_offset = open.flat_offset + open_real_numel;
+      const int64_t position = round_up(open_end, alignment_);
+      slot.flat_offset = open.flat_offset + position;
       slot.bucket_index = static_cast<int64_t>(buckets_.size());
-      open_real_numel += numel;
+      open_end = position + numel;
       param_numel_ += numel;
     } else {
-      slot.flat_offset = open.flat_offset + open_real_numel;
+      slot.flat_offset = open.flat_offset + open_end;
     }
     slot_of_param_[index] = static_cast<int64_t>(slots_.size());
     slots_.push_back(slot);
@@ -160,6 +165,9 @@ std::vector<ShardSegment> GroupLayout::segments_of_rank(int64_t rank) const {
 uint64_t GroupLayout::fingerprint(uint64_t seed) const {
   uint64_t hash = mix(seed, world_size_);
   hash = mix(hash, bucket_numel_);
+  if (alignment_ != 1) {  // unaligned layouts keep the fingerprints they had
+    hash = mix(hash, alignment_);
+  }
   for (const auto& slot : slots_) {
     hash = mix(hash, slot.param_index);
     hash = mix(hash, slot.numel);
@@ -172,15 +180,20 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
 
 PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
                                  int64_t world_size, int64_t bucket_numel,
-                                 const std::vector<std::vector<int64_t>>& group_param_units)
+                                 const std::vector<std::vector<int64_t>>& group_param_units,
+                                 const std::vector<int64_t>& group_alignments)
     : world_size_(world_size) {
   TORCH_CHECK_VALUE(
       group_param_units.empty() || group_param_units.size() == group_param_numels.size(),
       "group_param_units must be empty or give one entry per group");
+  TORCH_CHECK_VALUE(
+      group_alignments.empty() || group_alignments.size() == group_param_numels.size(),
+      "group_alignments must be empty or give one entry per group");
   groups_.reserve(group_param_numels.size());
   for (size_t g = 0; g < group_param_numels.size(); ++g) {
     groups_.emplace_back(group_param_numels[g], world_size, bucket_numel,
-                         group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g]);
+                         group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g],
+                         group_alignments.empty() ? 1 : group_alignments[g]);
   }
 }
 

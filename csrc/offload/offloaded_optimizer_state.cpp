@@ -26,8 +26,11 @@ class CopyFence {
     event_.emplace(device.type());
     event_->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
   }
-  void wait() {
+  void wait(HostSyncCounter* counter, HostSync reason) {
     if (event_) {
+      if (counter != nullptr) {
+        counter->count(reason);
+      }
       event_->synchronize();
       event_.reset();
     }
@@ -387,13 +390,13 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
       fetch_gradient(i + 1);  // its slot's previous reader, the kernel of i - 1, is done
     }
     SwappedIn swapped_in(*this, state, swap_position[i]);
-    grad_ready[i % slots].wait();
+    grad_ready[i % slots].wait(host_syncs_, HostSync::kOffloadGradientCopy);
     if (swapped) {
       const IoTicket ticket = grad_read[i % slots];
       grad_read[i % slots] = 0;
       gradient_swapper_->wait_read(ticket);
     }
-    params_returned[i % slots].wait();
+    params_returned[i % slots].wait(host_syncs_, HostSync::kOffloadUpdate);
     const Staging& slot = staging(i % slots, param_dtypes_[g]);
     const float* grad = in_place ? grad_shard.data_ptr<float>() + state.where.offset
                                  : slot.grad.data_ptr<float>() + grad_lead[i % slots];
@@ -408,7 +411,7 @@ void OffloadedOptimizerState::step(size_t g, const torch::optim::OptimizerOption
     swapped_in.write_back();
   }
   for (auto& fence : params_returned) {
-    fence.wait();
+    fence.wait(host_syncs_, HostSync::kOffloadUpdate);
   }
   if (!swap_order.empty()) {
     swapper_->finish();

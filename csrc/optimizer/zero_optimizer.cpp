@@ -142,6 +142,17 @@ void ZeroOptimizer::model_forward_begin() { impl_->model_forward_begin(); }
 void ZeroOptimizer::model_forward_end(bool raised) { impl_->model_forward_end(raised); }
 int64_t ZeroOptimizer::agreements() const { return impl_->agreements(); }
 int64_t ZeroOptimizer::diverged_agreements() const { return impl_->diverged_agreements(); }
+std::map<std::string, int64_t> ZeroOptimizer::host_sync_counts() const {
+  return impl_->host_syncs_.counts();
+}
+HostSyncCounter& ZeroOptimizer::host_sync_counter() { return impl_->host_syncs_; }
+void ZeroOptimizer::set_host_channel(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  if (group) {
+    impl_->communicator().set_host_channel(std::move(group));
+  } else {
+    impl_->communicator().clear_host_channel();
+  }
+}
 void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
   impl_->pin_parameters(params);
 }

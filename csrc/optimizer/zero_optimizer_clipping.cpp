@@ -7,7 +7,10 @@
 #include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/any.h>
 #include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/logical_or.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -67,7 +70,9 @@ void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
   finish_gradient_reduction();
   at::NoGradGuard no_grad;
   if (offloaded_) {
-    grad_shard_scale_ *= coefficient.item<double>();
+    // The host kernel applies the factor: the host needs the number.
+    grad_shard_scale_ *=
+        read_to_host(coefficient, &host_syncs_, HostSync::kClipCoefficient).item<double>();
     return;
   }
   for (auto& shard : buffers_) {
@@ -84,27 +89,34 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
     total += static_cast<int64_t>(group.params().size());
   }
   // The last two flags: this rank's reduced gradients hold inf/NaN; one of
-  // its parameters left the optimizer's storage.
+  // its parameters left the optimizer's storage. Host knowledge, exchanged
+  // over the host channel, but for the one read of the device's inf/NaN flag
+  // (see [Note: host syncs, counted]).
   at::Tensor flags = at::zeros({total + 2}, at::kInt);
-  flags[total + 1] = detached ? 1 : 0;
+  auto* data = flags.data_ptr<int32_t>();
+  data[total + 1] = detached ? 1 : 0;
   if (options_.skip_nonfinite_steps()) {
-    bool finite = true;
+    // Accumulated on the device, chunk by chunk, and read once: a read per
+    // chunk would wait for the device once per chunk.
+    at::Tensor nonfinite;
     for (size_t g = 0; g < buffers_.size(); ++g) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
-        finite = finite && at::isfinite(chunk).all().item<bool>();
+        at::Tensor here = at::isfinite(chunk).logical_not().any();
+        nonfinite = nonfinite.defined() ? nonfinite.logical_or(here.to(nonfinite.device())) : here;
       });
     }
-    flags[total] = finite ? 0 : 1;
+    if (nonfinite.defined()) {
+      data[total] =
+          read_to_host(nonfinite, &host_syncs_, HostSync::kStepFlags).item<bool>() ? 1 : 0;
+    }
   }
-  auto* data = flags.data_ptr<int32_t>();
   int64_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
       data[index] = buckets_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
     }
   }
-  flags = flags.to(device());
-  groups_->shard().all_reduce_max(flags, "grad_presence");
+  groups_->shard().all_reduce_on_host(flags, c10d::ReduceOp::MAX, "grad_presence");
   groups_->max_across_replicas(flags, "grad_presence");  // a parameter unused on one replica only
   // inf/NaN in one piece skips the step on every piece; presence stays this
   // rank's own (under expert parallelism the group's ranks hold other
@@ -112,7 +124,6 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   at::Tensor overflow_flag = flags.narrow(0, total, 2).clone();
   groups_->max_across_model_parallel(overflow_flag, "overflow");
   flags.narrow(0, total, 2).copy_(overflow_flag);
-  flags = flags.cpu();
   data = flags.data_ptr<int32_t>();
   *overflow = data[total] != 0;
   *any_detached = data[total + 1] != 0;

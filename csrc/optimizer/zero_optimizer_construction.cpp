@@ -59,8 +59,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   groups_ = std::make_unique<ProcessGroups>(make_communicator(std::move(process_group)),
                                             replicate_group && replicate_group->getSize() > 1
                                                 ? make_communicator(std::move(replicate_group))
-                                                : nullptr,
-                                            device_);
+                                                : nullptr);
   std::string error;
   std::vector<std::vector<int64_t>> param_units;
   std::vector<std::string> unit_names;
@@ -91,9 +90,8 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     // gradient shards of different elements).
     const int64_t rank = groups_->shard().rank();
     const int64_t size = groups_->shard().world_size();
-    at::Tensor extremes = at::tensor({rank, -rank, size, -size}, at::kLong).to(device_);
-    groups_->replica()->all_reduce_max(extremes, "replicas/position");
-    extremes = extremes.cpu();
+    at::Tensor extremes = at::tensor({rank, -rank, size, -size}, at::kLong);
+    groups_->max_across_replicas(extremes, "position");
     const auto* e = extremes.data_ptr<int64_t>();
     std::string mismatch;
     if (e[0] != rank || -e[1] != rank || e[2] != size || -e[3] != size) {
@@ -109,15 +107,19 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
 
   std::vector<std::vector<int64_t>> numels;
+  std::vector<int64_t> alignments;  // [Note: aligned slots], in each group's dtype
   for (const auto& group : param_groups_) {
     std::vector<int64_t> group_numels;
     for (const auto& param : group.params()) {
       group_numels.push_back(param.numel());
     }
     numels.push_back(std::move(group_numels));
+    alignments.push_back(
+        group.params().empty() ? 1 : alignment_in_elements(group.params()[0].element_size()));
   }
-  layout_ = std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
-                                              options_.reduce_bucket_size(), param_units);
+  layout_ =
+      std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
+                                        options_.reduce_bucket_size(), param_units, alignments);
   check_layout_agrees_across_ranks();
   std::vector<int64_t> shard_numels;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -187,6 +189,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     try {
       offloaded_ = std::make_unique<OffloadedOptimizerState>(
           *placement_, inner_kind_, dtypes, groups_->shard().rank(), options_.aio(), nvme_states);
+      offloaded_->set_host_sync_counter(&host_syncs_);
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();
       failure = std::current_exception();
@@ -229,19 +232,33 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
       [this](size_t g) -> at::Tensor& { return buffers_[g].grad_shard; },
       static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
       std::move(on_complete));
+  // See [Note: pre-divided 16-bit gradients]: one factor for every group, so
+  // the shards and grad_shard_scale_ mean one thing whatever the group.
+  const bool reduces_16_bit =
+      std::any_of(grad_options.begin(), grad_options.end(), [](const at::TensorOptions& o) {
+        const auto dtype = c10::typeMetaToScalarType(o.dtype());
+        return dtype == at::kHalf || dtype == at::kBFloat16;
+      });
+  if (reduces_16_bit) {
+    buckets_->set_predivide(static_cast<double>(data_parallel_world_size()));
+  }
   if (gatherer_ && options_.check_collective_order() && groups_->shard().world_size() > 1) {
     // See [Note: Negotiated collectives].
     buckets_->set_launch_on_agreement(true);
-    gatherer_->negotiate(
-        std::make_unique<CollectiveAgreement>(groups_->shard(), device_, gatherer_->num_units(),
-                                              buckets_->num_buckets()),
-        buckets_.get());
+    gatherer_->negotiate(std::make_unique<CollectiveAgreement>(
+                             groups_->shard(), gatherer_->num_units(), buckets_->num_buckets()),
+                         buckets_.get());
   }
   if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
     buckets_->set_gradient_sink(
-        [swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
+        [this, swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
           if (!swapper->swaps(g)) {
             return false;
+          }
+          if (!reduced.is_cpu()) {
+            // The swap copies the slice to the host as it arrives: a wait per
+            // bucket (the NVMe gradient swap is built for memory, not speed).
+            host_syncs_.count(HostSync::kOffloadGradientCopy);
           }
           swapper->accumulate(g, offset, reduced);
           return true;
@@ -378,6 +395,8 @@ void ZeroOptimizer::Impl::check_groups_fixed() const {
 std::unique_ptr<Communicator> ZeroOptimizer::Impl::make_communicator(
     c10::intrusive_ptr<c10d::ProcessGroup> group) const {
   auto comm = std::make_unique<Communicator>(std::move(group));
+  comm->set_device(device_);
+  comm->set_host_sync_counter(&host_syncs_);
   comm->set_reduce_scatter_all_to_all(options_.gloo_reduce_scatter_all_to_all());
   comm->set_all_gather_broadcasts(options_.gloo_all_gather_broadcasts());
   return comm;

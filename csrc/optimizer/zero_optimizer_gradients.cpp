@@ -124,10 +124,10 @@ at::Tensor ZeroOptimizer::Impl::new_stage1_grad_shard(size_t g) {
 bool ZeroOptimizer::Impl::stage1_copies_current() {
   // A .grad set where no hook fired, replaced, or changed in place.
   const bool current = stage1_copies_.match(param_groups_);
-  at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt).to(device());
-  groups_->shard().all_reduce_max(stale, "stage1_overlap_check");
+  at::Tensor stale = at::tensor({current ? 0 : 1}, at::kInt);
+  groups_->shard().all_reduce_on_host(stale, c10d::ReduceOp::MAX, "stage1_overlap_check");
   groups_->max_across_replicas(stale, "stage1_overlap_check");
-  return stale.cpu().item<int32_t>() == 0;
+  return stale.item<int32_t>() == 0;
 }
 
 at::Tensor ZeroOptimizer::Impl::take_leftover_grad(size_t g, int64_t i) {
@@ -229,15 +229,17 @@ void ZeroOptimizer::Impl::finish_gradient_reduction() {
   buckets_->wait_all();
   raise_gradient_swap_failure("reduce the gradients");
   reduce_gradient_shards_across_replicas();
-  // Gloo has no AVG: sum, then divide; and undo the loss scale. With offload
-  // the host kernel applies the factor in its one pass over the gradient.
+  // Gloo has no AVG: sum, then divide (what the buckets did not divide
+  // before: [Note: pre-divided 16-bit gradients]); and undo the loss scale.
+  // With offload the host kernel applies the factor in its one pass over the
+  // gradient.
   const double ranks = options_.gradient_divide_factor() > 0
                            ? options_.gradient_divide_factor()
                            : static_cast<double>(data_parallel_world_size());
-  const double divisor = ranks * loss_scaling_.loss_scale();
+  const double divisor = ranks * loss_scaling_.loss_scale() / buckets_->predivide();
   if (offloaded_) {
     grad_shard_scale_ = 1.0 / divisor;
-  } else {
+  } else if (divisor != 1.0) {
     for (auto& shard : buffers_) {
       shard.grad_shard.div_(divisor);
     }

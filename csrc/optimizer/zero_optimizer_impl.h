@@ -17,6 +17,7 @@
 #include "zeroshard/error_agreement.h"
 #include "zeroshard/gradient_buckets.h"
 #include "zeroshard/gradient_hooks.h"
+#include "zeroshard/host_syncs.h"
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/nvme_parameter_swapper.h"
@@ -297,6 +298,9 @@ class ZeroOptimizer::Impl {
   std::vector<torch::optim::OptimizerParamGroup>& param_groups_;
   InnerOptimizerKind inner_kind_;
   ZeroOptions options_;
+  // Every host sync this optimizer made, by reason ([Note: host syncs,
+  // counted]); before groups_, whose communicators count into it.
+  mutable HostSyncCounter host_syncs_;  // counted from const reads too
   // The process groups this optimizer talks over (shard, replica,
   // model-parallel) and the agreements over them; set first in initialize().
   std::unique_ptr<ProcessGroups> groups_;

@@ -33,7 +33,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
         const int64_t length = std::min(kGradientSwapBlockElements, numel - done);
         at::Tensor sum = swapped->read(g, done, length).to(device_);
         groups_->replica()->all_reduce_sum(sum, tag);
-        swapped->write(g, done, sum.cpu());
+        swapped->write(g, done, read_to_host(sum, &host_syncs_, HostSync::kOffloadGradientCopy));
       }
       raise_gradient_swap_failure("reduce the gradients across replicas");
       continue;
@@ -55,7 +55,7 @@ void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
       at::Tensor host = shard.narrow(0, done, std::min(kShardChunkElements, numel - done));
       at::Tensor sum = host.to(device_);
       groups_->replica()->all_reduce_sum(sum, tag);
-      host.copy_(sum);
+      host.copy_(read_to_host(sum, &host_syncs_, HostSync::kOffloadGradientCopy));
     }
   }
 }
@@ -82,7 +82,7 @@ void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
   std::pair<c10::intrusive_ptr<c10d::Store>, std::string> commit;
   const std::vector<std::string> replica_files =
       all_gather_strings(*groups_->replica(), checkpoint_detail::encode_files(options.rank_files()),
-                         device_, "replicas/checkpoint_rank_files");
+                         "replicas/checkpoint_rank_files");
   CheckpointSaveOptions with_replicas = options;
   std::string refusal;
   if (groups_->replica()->rank() == 0) {

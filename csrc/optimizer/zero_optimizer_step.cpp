@@ -9,6 +9,7 @@
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -19,6 +20,9 @@
 
 namespace zeroshard {
 at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
+  // Everything the step allocates or launches belongs on the parameters'
+  // device, whatever device the caller left current.
+  const c10::OptionalDeviceGuard on_parameters_device(device_);
   at::Tensor loss;
   if (closure) {
     at::AutoGradMode enable_grad(true);

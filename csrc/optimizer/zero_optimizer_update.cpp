@@ -35,9 +35,10 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
     // largest transient of a stage 3 step.
     const bool widen = !offloaded_ && shard.grad_shard.scalar_type() != at::kFloat;
     std::vector<OffloadedOptimizerState::UpdateRun> runs;
-    // Contiguous runs of owned segments that share a step count and a bucket
-    // are updated with one call each; with no skipped parameters that is one
-    // call per bucket.
+    // Runs of owned segments that share a step count and a bucket are
+    // updated with one call each, the padding between them included ([Note:
+    // aligned slots]: zeros that stay zero); with no skipped parameters that
+    // is one call per bucket.
     const auto& segments = shard.segments;
     size_t begin = 0;
     while (begin < segments.size()) {
@@ -51,9 +52,8 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
       int64_t run_end = first.shard_offset + first.numel;
       while (end < segments.size() && has_grad[g][segments[end].param_index] &&
              shard.steps[segments[end].param_index] == step &&
-             segments[end].bucket_index == first.bucket_index &&
-             segments[end].shard_offset == run_end) {
-        run_end += segments[end].numel;
+             segments[end].bucket_index == first.bucket_index) {
+        run_end = segments[end].shard_offset + segments[end].numel;
         ++end;
       }
       const int64_t offset = first.shard_offset;

@@ -149,10 +149,8 @@ void ZeroOptimizer::Impl::validate_parameters() const {
 void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
   const int64_t fingerprint = layout_->fingerprint();
   at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
-  extremes = extremes.to(device());
-  groups_->shard().all_reduce_max(extremes, "layout_check");
+  groups_->shard().all_reduce_on_host(extremes, c10d::ReduceOp::MAX, "layout_check");
   groups_->max_across_replicas(extremes, "layout_check");
-  extremes = extremes.cpu();
   const int64_t max_fp = extremes[0].item<int64_t>();
   const int64_t min_fp = -extremes[1].item<int64_t>();
   TORCH_CHECK(max_fp == fingerprint && min_fp == fingerprint,

@@ -4,6 +4,7 @@
 #include "zeroshard/mapped_host_memory.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
@@ -81,6 +82,9 @@ void ParameterGatherer::allocate(BucketState& bucket) {
   c10::StorageImpl* storage = bucket.full.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(bucket.full.numel()) * bucket.full.element_size();
   TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "bucket storage has no allocator");
+  // The CUDA caching allocator allocates on the current device: a rank that
+  // never called torch.cuda.set_device(local_rank) would get GPU 0's memory.
+  const c10::OptionalDeviceGuard on_bucket_device(bucket.full.device());
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
   bucket.materialized = true;

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DataParallelGroups", "data_parallel_groups", "hybrid_groups"]
+__all__ = ["DataParallelGroups", "data_parallel_groups", "hybrid_groups", "store_of"]
 
 
 class DataParallelGroups:
@@ -27,6 +27,14 @@ class DataParallelGroups:
     def world_size(self) -> int:
         """Data-parallel ranks whose gradients are averaged: shard size x replicas."""
         return _size(self.shard) * (_size(self.replicate) if self.replicate is not None else 1)
+
+
+def store_of(group: dist.ProcessGroup) -> dist.Store | None:
+    """The store ``group`` was created with (torch keeps it in a private map)."""
+    try:
+        return dist.distributed_c10d._world.pg_map[group][1]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
 
 
 def _size(group: dist.ProcessGroup) -> int:

@@ -105,6 +105,28 @@ class OptimizerMeasurements:
         """Zeroes the collective byte counters."""
         self._impl.reset_comm_stats()
 
+    def host_sync_counts(self) -> dict[str, int]:
+        """How often this optimizer made the host wait for the device since
+        construction, by reason (``"step_flags"``, ``"clip_coefficient"``,
+        ``"host_data_on_device"``, ``"offload_gradient_copy"``,
+        ``"offload_update"``, ``"pageable_copy"``, ``"telemetry"``,
+        ``"checkpoint"``; reasons never counted are left out).
+
+        Counted whatever the device, so a CPU run shows what the same run pays
+        on a GPU (see docs/gpu.md). After warm-up a step costs at most 2 at
+        every stage, none per unit or per bucket."""
+        return dict(self._impl.host_sync_counts())
+
+    def set_host_channel(self, group: Any) -> None:
+        """The group the shard group's host knowledge (agreements, flags, error
+        messages) travels over: a Gloo group over the same ranks in the same
+        order. ZeroOptimizer gives NCCL groups one by itself (a Gloo backend
+        for CPU tensors, see ``zeroshard.host_channel``); this is for a group
+        of your own. ``None`` sends host data through the device, each
+        exchange a host sync (what a channel saves, measurable on CPU). Call
+        it on every rank alike, between steps."""
+        self._impl.set_host_channel(group)
+
     def set_event_log_enabled(self, enabled: bool) -> None:
         """Records every collective launch and wait while enabled."""
         self._impl.set_event_log_enabled(enabled)

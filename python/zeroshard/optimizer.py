@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from zeroshard import _C
 from zeroshard.checkpointing import _LIVE, OptimizerCheckpointing
-from zeroshard.groups import data_parallel_groups
+from zeroshard.groups import data_parallel_groups, store_of
+from zeroshard.host_channel import add_host_backend
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.sharded_parameter import adopt_sharded_parameters
@@ -126,14 +127,6 @@ def _plain(value: Any) -> Any:
 
 _optimizers_per_group: dict[str, int] = {}
 _optimizers_built = itertools.count()  # names each optimizer's checkpoint keys
-
-
-def _store_of(group: dist.ProcessGroup) -> dist.Store | None:
-    """The store ``group`` was created with (torch keeps it in a private map)."""
-    try:
-        return dist.distributed_c10d._world.pg_map[group][1]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
 
 
 def _failure_prefix(group: dist.ProcessGroup) -> str:
@@ -326,6 +319,11 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             "aio": aio_options(aio),
             "materialize_device": str(torch.device(materialize_device)),
         }
+        # [Note: the host channel]: NCCL groups get a Gloo backend for the
+        # agreements' host tensors, before the core picks its channels.
+        for group in (process_group, groups.replicate, expert_parallel_group):
+            if group is not None:
+                add_host_backend(group)
         self._impl = _C.ZeroOptimizer(
             [tp.locals(group["params"]) for group in self.param_groups],
             process_group,
@@ -335,7 +333,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             [(unit.name, tp.locals(unit.params)) for unit in units],
             groups.replicate,
         )
-        store = _store_of(process_group)
+        store = store_of(process_group)
         if store is not None:
             self._impl.set_failure_store(
                 store, _failure_prefix(process_group), float(failure_report_seconds)
@@ -343,10 +341,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         # Asynchronous saves agree on their commit through a store every rank
         # of the checkpoint reaches (the shard group's does not span tensor-
         # parallel ranks or replicas): the default group's.
-        world_store = _store_of(dist.group.WORLD) if dist.is_initialized() else None
+        world_store = store_of(dist.group.WORLD) if dist.is_initialized() else None
         if world_store is not None:
             self._impl.set_checkpoint_store(world_store, _checkpoint_prefix())
-        replica_store = _store_of(groups.replicate) if groups.replicate is not None else None
+        replica_store = store_of(groups.replicate) if groups.replicate is not None else None
         if replica_store is not None:
             self._impl.set_replica_failure_store(
                 replica_store, _failure_prefix(groups.replicate), float(failure_report_seconds)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.host_channel import add_host_backend
+
 __all__ = ["TensorParallelParameters"]
 
 
@@ -139,7 +141,9 @@ class TensorParallelParameters:
         """
         if not self.active:
             return []
-        impl.set_tensor_parallel(self.mesh.get_group(), self.sharded, self.splits)
+        group = self.mesh.get_group()
+        add_host_backend(group)  # see zeroshard.host_channel
+        impl.set_tensor_parallel(group, self.sharded, self.splits)
         # A weak reference: a hook holding the optimizer would keep it (and
         # its process groups) alive as long as the model.
         owner = weakref.ref(optimizer)

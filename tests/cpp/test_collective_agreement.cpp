@@ -29,7 +29,7 @@ std::vector<Agreement> AgreeOn(const Requests& requests) {
   auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     Communicator comm(pg);
     comm.set_order_check_enabled(true);  // the agreement's own all-reduces skip it
-    CollectiveAgreement agreement(comm, c10::Device(c10::kCPU), kUnits, kBuckets);
+    CollectiveAgreement agreement(comm, kUnits, kBuckets);
     out[rank] = agreement.agree(requests[rank]);
     EXPECT_EQ(agreement.count_rounds(), out[rank].unanimous ? 0 : 1);
   });

@@ -9,10 +9,12 @@
 #endif
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <string>
 #include <vector>
@@ -107,6 +109,69 @@ TEST(CommunicatorTest, AllGatherAsBroadcastsEqualsGlooAllgather) {
         }
       }
     }
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(failures[rank], "") << "rank " << rank;
+  }
+}
+
+// [Note: the host channel]: host data (signatures, flags, strings) gives the
+// same answers over the group itself, over a channel of its own and through
+// the device; only the last is counted as host syncs, once per exchange.
+TEST(CommunicatorTest, HostDataCostsNoHostSyncOverAHostChannel) {
+  constexpr int kWorld = 3;
+  std::vector<std::string> failures(kWorld);
+  auto errors = RunRankThreads(kWorld, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
+    auto data = make_gloo_process_group(c10::make_intrusive<c10d::PrefixStore>("data", store), rank,
+                                        kWorld, std::chrono::seconds(60));
+    auto channel = make_gloo_process_group(c10::make_intrusive<c10d::PrefixStore>("channel", store),
+                                           rank, kWorld, std::chrono::seconds(60));
+    HostSyncCounter syncs;
+    Communicator comm(data);
+    comm.set_host_sync_counter(&syncs);
+    std::string& failure = failures[rank];
+    auto exchange = [&](const std::string& how, int64_t expected_syncs) {
+      const int64_t before = syncs.total();
+      const auto [largest, smallest] = comm.extremes(10 + rank, how + "/extremes");
+      at::Tensor flags = at::full({4}, rank, at::kInt);
+      comm.all_reduce_on_host(flags, c10d::ReduceOp::SUM, how + "/flags");
+      at::Tensor mine = at::full({2}, rank, at::kLong);
+      at::Tensor all = at::empty({2 * kWorld}, at::kLong);
+      comm.all_gather_on_host(all, mine, how + "/gather");
+      if (largest != 10 + kWorld - 1 || smallest != 10) {
+        failure +=
+            how + ": extremes " + std::to_string(largest) + ", " + std::to_string(smallest) + "; ";
+      }
+      if (!at::equal(flags, at::full({4}, kWorld * (kWorld - 1) / 2, at::kInt))) {
+        failure += how + ": the sum is wrong; ";
+      }
+      for (int r = 0; r < kWorld; ++r) {
+        if (all[2 * r].item<int64_t>() != r || all[2 * r + 1].item<int64_t>() != r) {
+          failure += how + ": rank " + std::to_string(r) + "'s gathered values are wrong; ";
+        }
+      }
+      if (!flags.is_cpu() || !all.is_cpu()) {
+        failure += how + ": host data left the host; ";
+      }
+      if (syncs.total() - before != expected_syncs) {
+        failure += how + ": " + std::to_string(syncs.total() - before) + " host syncs, expected " +
+                   std::to_string(expected_syncs) + "; ";
+      }
+    };
+    EXPECT_TRUE(comm.has_host_channel());  // a Gloo group is its own channel
+    exchange("own", 0);
+    comm.set_host_channel(channel);
+    exchange("channel", 0);
+    comm.clear_host_channel();  // as an NCCL group without one
+    exchange("device", 3);
+    if (syncs.count_of(HostSync::kHostDataOnDevice) != 3) {
+      failure += "the syncs were not counted as host_data_on_device; ";
+    }
+    EXPECT_THROW(comm.set_host_channel(make_gloo_process_group(
+                     c10::make_intrusive<c10d::PrefixStore>("small" + std::to_string(rank), store),
+                     0, 1, std::chrono::seconds(60))),
+                 c10::ValueError);
   });
   for (int rank = 0; rank < kWorld; ++rank) {
     EXPECT_EQ(errors[rank], "") << "rank " << rank;

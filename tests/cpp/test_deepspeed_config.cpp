@@ -121,7 +121,8 @@ TEST(DeepSpeedConfigTest, SeedZero3ConfigLoadsUnchanged) {
   EXPECT_EQ(config.zero.offload_optimizer().device(), OffloadDevice::kCPU);
   EXPECT_EQ(config.zero.offload_param().device(), OffloadDevice::kCPU);
   EXPECT_DOUBLE_EQ(config.zero.offload_optimizer().ratio(), 1.0);
-  EXPECT_FALSE(config.zero.offload_optimizer().pin_memory());
+  // zeroshard pins by default (DeepSpeed does not): the fast choice on CUDA.
+  EXPECT_TRUE(config.zero.offload_optimizer().pin_memory());
   EXPECT_EQ(config.zero.offload_param().buffer_count(), 5);
   EXPECT_EQ(config.zero.offload_param().max_in_cpu(), 1000000000);
   EXPECT_EQ(config.zero.sub_group_size(), 1000000000);

@@ -37,8 +37,7 @@ TEST(ErrorAgreementTest, EveryRankOfTheScopeGetsTheSameError) {
     const auto errors = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
       Communicator comm(pg);
       const std::string mine = fail && rank == 2 ? "cannot open swap file" : "";
-      std::string out =
-          agree_on_error({{&comm, ""}, {nullptr, "unused/"}}, mine, c10::Device(c10::kCPU), "test");
+      std::string out = agree_on_error({{&comm, ""}, {nullptr, "unused/"}}, mine, "test");
       std::lock_guard<std::mutex> lock(mutex);
       agreed[rank] = out;
     });
@@ -59,7 +58,7 @@ TEST(ErrorAgreementTest, FailuresAcrossGroupsAreNamedOnceByTheirPlaceInEach) {
   std::vector<std::string> raised(4);
   const auto errors = RunHybridRanks(4, 2, [&](int rank, HybridGroups hybrid) {
     ProcessGroups groups(std::make_unique<Communicator>(hybrid.shard),
-                         std::make_unique<Communicator>(hybrid.replicate), c10::Device(c10::kCPU));
+                         std::make_unique<Communicator>(hybrid.replicate));
     const std::string mine = rank == 1 ? "disk full" : rank == 2 ? "no such file" : "";
     std::string out = groups.agree(mine, "test");
     std::string thrown;
@@ -93,7 +92,7 @@ TEST(ErrorAgreementTest, EveryRankOfEveryGroupFailingAlikeIsSaidOnce) {
   std::vector<std::string> agreed(4);
   RunHybridRanks(4, 2, [&](int rank, HybridGroups hybrid) {
     ProcessGroups groups(std::make_unique<Communicator>(hybrid.shard),
-                         std::make_unique<Communicator>(hybrid.replicate), c10::Device(c10::kCPU));
+                         std::make_unique<Communicator>(hybrid.replicate));
     std::string out = groups.agree("bad \n path: a", "test");
     std::lock_guard<std::mutex> lock(mutex);
     agreed[rank] = out;

@@ -39,13 +39,27 @@ void ExpectExactCover(const GroupLayout& layout, const std::vector<int64_t>& num
     real += n;
   }
   EXPECT_EQ(layout.param_numel(), real);
+  // [Note: aligned slots]: every slot and every rank's slice starts aligned;
+  // a gap between slots is less than the alignment, a bucket's tail less
+  // than world_size x alignment.
+  const int64_t align = layout.alignment();
   for (const auto& bucket : layout.buckets()) {
-    EXPECT_EQ(bucket.numel % world, 0);
-    int64_t in_bucket = 0;
+    EXPECT_EQ(bucket.numel % (world * align), 0);
+    EXPECT_EQ(bucket.flat_offset % align, 0);
+    EXPECT_EQ(bucket.shard_offset % align, 0);
+    int64_t end = bucket.flat_offset;
     for (int64_t s = bucket.first_slot; s < bucket.end_slot; ++s) {
-      in_bucket += layout.slots()[s].numel;
+      const ParamSlot& slot = layout.slots()[s];
+      if (slot.numel == 0) {
+        continue;
+      }
+      EXPECT_EQ(slot.flat_offset % align, 0) << "slot " << s << " is not aligned";
+      EXPECT_GE(slot.flat_offset, end) << "slots overlap";
+      EXPECT_LT(slot.flat_offset - end, align) << "a gap of a whole alignment or more";
+      end = slot.flat_offset + slot.numel;
     }
-    EXPECT_LT(bucket.numel - in_bucket, world) << "padding must be < world_size";
+    EXPECT_LT(bucket.flat_offset + bucket.numel - end, world * align)
+        << "padding must be < world_size x alignment";
   }
 }
 
@@ -111,6 +125,41 @@ TEST(PartitionLayoutTest, UnevenSizesAcrossWorldSizesAndBucketSizes) {
   }
 }
 
+TEST(PartitionLayoutTest, AlignedSlotsAcrossSizesWorldsAndBuckets) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int64_t> size(0, 40);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<int64_t> numels(1 + trial % 9);
+    for (auto& n : numels) {
+      n = size(rng);
+    }
+    for (int64_t align : {2, 4, 8, 16}) {
+      for (int64_t world : {1, 2, 3, 5, 7}) {
+        for (int64_t bucket : {1, 5, 16, 1000}) {
+          GroupLayout layout(numels, world, bucket, {}, align);
+          ExpectExactCover(layout, numels);
+        }
+      }
+    }
+  }
+}
+
+TEST(PartitionLayoutTest, AlignmentIsSixteenBytesInTheParametersDtype) {
+  EXPECT_EQ(alignment_in_elements(2), 8);  // bf16, fp16
+  EXPECT_EQ(alignment_in_elements(4), 4);  // fp32
+  EXPECT_EQ(alignment_in_elements(1), 16);
+  EXPECT_EQ(alignment_in_elements(8), 2);
+  // A 3-element bf16 parameter no longer pushes the next one off alignment.
+  GroupLayout layout({3, 5, 7}, 2, 1000, {}, alignment_in_elements(2));
+  EXPECT_EQ(layout.slot_of_param(2).flat_offset, 0);  // reverse registration order
+  EXPECT_EQ(layout.slot_of_param(1).flat_offset, 8);
+  EXPECT_EQ(layout.slot_of_param(0).flat_offset, 16);
+  EXPECT_EQ(layout.flat_numel(), 32);  // 19 rounded up to 2 ranks x 8
+  EXPECT_EQ(layout.shard_numel(), 16);
+  EXPECT_NE(PartitionLayout({{3, 5}}, 2, 1000, {}, {8}).fingerprint(),
+            PartitionLayout({{3, 5}}, 2, 1000).fingerprint());
+}
+
 TEST(PartitionLayoutTest, SeveralGroupsAndFingerprints) {
   PartitionLayout a({{4, 5}, {6}}, 2, 1000);
   PartitionLayout same({{4, 5}, {6}}, 2, 1000);
@@ -130,6 +179,7 @@ TEST(PartitionLayoutTest, RejectsInvalidArguments) {
   EXPECT_THROW(GroupLayout({1}, 0, 10), c10::ValueError);
   EXPECT_THROW(GroupLayout({1}, 2, 0), c10::ValueError);
   EXPECT_THROW(GroupLayout({-1}, 2, 10), c10::ValueError);
+  EXPECT_THROW(GroupLayout({1}, 2, 10, {}, 0), c10::ValueError);
 }
 
 }  // namespace

@@ -84,8 +84,10 @@ struct Agreement {
 
 class CollectiveAgreement {
  public:
-  CollectiveAgreement(Communicator& comm, c10::Device device, int64_t num_units,
-                      int64_t num_buckets);
+  // Agreements travel over comm's host channel: what ranks ask for is host
+  // knowledge, so agreeing costs no host sync where there is one ([Note: the
+  // host channel] in communicator.h).
+  CollectiveAgreement(Communicator& comm, int64_t num_units, int64_t num_buckets);
 
   // Collective: every rank calls it at its own agreement points; the i-th
   // call of one rank is matched with the i-th call of every other.
@@ -97,7 +99,6 @@ class CollectiveAgreement {
 
  private:
   Communicator& comm_;
-  c10::Device device_;
   int64_t num_units_;
   int64_t num_buckets_;
   int64_t agreements_ = 0;

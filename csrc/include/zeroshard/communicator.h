@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "zeroshard/host_syncs.h"
 #include "zeroshard/mapped_host_memory.h"
 #include "zeroshard/rank_health.h"
 
@@ -145,15 +146,48 @@ class Communicator {
   int64_t world_size() const { return world_size_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
 
+  // [Note: the host channel]
+  // Much of what ranks exchange is host knowledge: which units each wants
+  // gathered, which buckets are complete, which parameters had a gradient,
+  // signatures, error strings. Sent over NCCL it must go to the device and
+  // come back (two host syncs per exchange, each queued behind the
+  // collectives in flight on the same stream), so it travels over a group
+  // that takes host tensors: the group itself where it has a CPU backend
+  // (Gloo; "cpu:gloo,cuda:nccl"), else a Gloo group over the same ranks
+  // given by set_host_channel (Python builds one beside an NCCL group; C++
+  // programs pass make_gloo_process_group's). Without one, host data goes
+  // through the device and each exchange counts as a host sync
+  // ([Note: host syncs, counted] in host_syncs.h). Its collectives run in the
+  // same order on every rank, as any group's.
+  //
+  // `group`: the same ranks, in the same order, with a CPU backend.
+  void set_host_channel(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // No host channel: host data goes through the device (how an NCCL group
+  // without one works; on CPU, how a test shows what that costs).
+  void clear_host_channel() { host_group_.reset(); }
+  bool has_host_channel() const { return host_group_ != nullptr; }
+  // Where this group's data lives (the parameters' device): host data goes
+  // there when there is no host channel.
+  void set_device(c10::Device device) { device_ = device; }
+  c10::Device device() const { return device_; }
+  // Counts the host syncs made for this group (null: not counted).
+  void set_host_sync_counter(HostSyncCounter* counter) { host_syncs_ = counter; }
+  HostSyncCounter* host_sync_counter() const { return host_syncs_; }
+
   // Sums `tensor` across ranks in place (blocking).
   void all_reduce_sum(at::Tensor& tensor, const std::string& tag);
   // Element-wise max across ranks in place (blocking).
   void all_reduce_max(at::Tensor& tensor, const std::string& tag);
+  // Collective, blocking, over the host channel: `tensor` lives on the host,
+  // in and out (see [Note: the host channel]).
+  void all_reduce_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
+  // output (host) = the concatenation over ranks of input (host, equal sizes).
+  void all_gather_on_host(at::Tensor& output, const at::Tensor& input, const std::string& tag);
   // Collective, blocking: the largest and the smallest `value` over the
-  // ranks, from one MAX all-reduce of {value, -value} on `device`; how ranks
-  // compare a Signature (every rank has the same iff both equal its own).
-  // Never order-checked: it is the check.
-  std::pair<int64_t, int64_t> extremes(int64_t value, c10::Device device, const std::string& tag);
+  // ranks, from one MAX all-reduce of {value, -value} over the host channel;
+  // how ranks compare a Signature (every rank has the same iff both equal its
+  // own). Never order-checked: it is the check.
+  std::pair<int64_t, int64_t> extremes(int64_t value, const std::string& tag);
   // output[i] = sum over ranks of input[rank * output.numel() + i] on this
   // rank. input.numel() == output.numel() * world_size().
   PendingCollective reduce_scatter_sum(at::Tensor& output, at::Tensor& input,
@@ -238,6 +272,8 @@ class Communicator {
 
  private:
   void all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
+  // all_reduce_on_host without the order check (extremes is the check).
+  void send_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
   PendingCollective track(c10::intrusive_ptr<c10d::Work> work, CollectiveKind kind, int64_t bytes,
                           const std::string& tag);
   void check_order(CollectiveKind kind, const at::Tensor& tensor, const std::string& tag);
@@ -245,6 +281,11 @@ class Communicator {
   bool is_gloo_on_cpu(const at::Tensor& tensor) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  // See [Note: the host channel]: process_group_ itself, another group over
+  // the same ranks, or null (host data then goes through device_).
+  c10::intrusive_ptr<c10d::ProcessGroup> host_group_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  HostSyncCounter* host_syncs_ = nullptr;  // owned by the optimizer
   int64_t rank_;
   int64_t world_size_;
   CommStats stats_;

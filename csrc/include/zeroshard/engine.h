@@ -157,8 +157,8 @@ class Engine {
   int64_t global_steps_ = 0;
   int64_t scheduler_steps_ = 0;  // steps applied (the scheduler does not advance on a skip)
   int64_t skipped_steps_ = 0;
-  at::Tensor loss_sum_;  // this window's micro-batch losses, unscaled
-  double last_loss_ = 0;
+  at::Tensor loss_sum_;       // this window's micro-batch losses, unscaled
+  at::Tensor last_loss_sum_;  // the last window's, read when a line prints
   // Telemetry accumulators since the last line.
   std::chrono::steady_clock::time_point forward_start_;
   double forward_s_ = 0, backward_s_ = 0, optimizer_s_ = 0;

@@ -7,8 +7,6 @@
 
 #include "zeroshard/communicator.h"
 
-#include <c10/core/Device.h>
-
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,9 +14,9 @@
 namespace zeroshard {
 
 // Collective: every rank's string, in rank order (one all-reduce of the
-// longest length, one all-gather).
+// longest length, one all-gather), over the host channel.
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
-                                            c10::Device device, const std::string& tag);
+                                            const std::string& tag);
 
 // The message every rank raises, from every rank's error ("" = none): "" when
 // none failed, else "(k of n ranks failed): rank r: ..." (ranks that failed
@@ -44,7 +42,7 @@ struct AgreementGroup {
 // number in each group (the last group's first), never an agreement nested
 // inside another; "rank r" where the scope has one group.
 std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
-                           c10::Device device, const std::string& tag);
+                           const std::string& tag);
 
 // agree_on_error, then the raise: a rank that failed throws its own message
 // (what its caller would have thrown alone), the others c10::ValueError
@@ -52,6 +50,6 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
 // the failed ranks and says why.
 void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,
                               const std::string& local_error, const std::string& what,
-                              c10::Device device, const std::string& tag);
+                              const std::string& tag);
 
 }  // namespace zeroshard

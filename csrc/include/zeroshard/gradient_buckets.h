@@ -114,6 +114,14 @@ class GradientBuckets {
   // Buckets that completed so far (monotone): whether any is new to offer.
   int64_t completions() const { return completions_; }
 
+  // [Note: pre-divided 16-bit gradients]
+  // Gradients enter the staging buffers multiplied by 1 / `factor` (1: as
+  // they are). Summing loss-scaled fp16 gradients over N ranks overflows
+  // where their mean would not, so 16-bit reductions divide first, as DDP
+  // does (gradient_predivide_factor); the owner divides the rest after.
+  void set_predivide(double factor) { predivide_ = factor; }
+  double predivide() const { return predivide_; }
+
   // Starts a new accumulation window: forgets which parameters reported.
   // Call only with nothing in flight and no round open.
   void reset();
@@ -163,6 +171,8 @@ class GradientBuckets {
   void launch_ready();
   void complete_oldest();
   void release_staging(const at::Tensor& staging);
+  // target = grad / predivide_ (or += with accumulate).
+  void stage(at::Tensor target, const at::Tensor& grad, bool accumulate) const;
 
   const PartitionLayout& layout_;
   Communicator& comm_;
@@ -174,6 +184,7 @@ class GradientBuckets {
   std::function<void()> sink_drain_;
   BucketComplete on_complete_;
   size_t max_in_flight_;
+  double predivide_ = 1.0;  // see set_predivide
   bool launch_eagerly_;
   bool launch_on_agreement_ = false;
   int64_t completions_ = 0;

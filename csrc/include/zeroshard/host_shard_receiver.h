@@ -12,6 +12,8 @@
 // Thread-safety: none; GradientBuckets' caller serialises access.
 #pragma once
 
+#include "zeroshard/host_syncs.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 
@@ -22,8 +24,10 @@ namespace zeroshard {
 
 class HostShardReceiver {
  public:
-  // At most `max_pending` (>= 1) copies in flight: the oldest is drained first.
-  explicit HostShardReceiver(size_t max_pending) : max_pending_(max_pending) {}
+  // At most `max_pending` (>= 1) copies in flight: the oldest is drained
+  // first. Each wait for a copy counts in `syncs` (may be null).
+  explicit HostShardReceiver(size_t max_pending, HostSyncCounter* syncs = nullptr)
+      : max_pending_(max_pending), syncs_(syncs) {}
 
   // Adds `reduced` (a device tensor, any floating dtype) into `target` (a host
   // slice of the same length), now or when drained.
@@ -43,6 +47,7 @@ class HostShardReceiver {
   void drain_oldest();
 
   size_t max_pending_;
+  HostSyncCounter* syncs_;
   std::deque<Pending> pending_;
 };
 

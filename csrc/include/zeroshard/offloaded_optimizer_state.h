@@ -26,6 +26,7 @@
 // writes back around each update.
 #pragma once
 
+#include "zeroshard/host_syncs.h"
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/nvme_state_swapper.h"
@@ -96,6 +97,8 @@ class OffloadedOptimizerState final : public ShardStorage {
   // buffers count as kHost).
   // The NVMe tier's swapper (telemetry), or null.
   const NvmeStateSwapper* nvme() const { return swapper_.get(); }
+  // Counts the step's waits for device copies (null: not counted).
+  void set_host_sync_counter(HostSyncCounter* counter) { host_syncs_ = counter; }
   // The gradient shards of groups StatePlacement::swaps_gradients, or null:
   // the buckets write into it, the step reads from it (see
   // nvme_gradient_swapper.h).
@@ -155,6 +158,7 @@ class OffloadedOptimizerState final : public ShardStorage {
   std::vector<std::vector<SubGroupState>> groups_;
   std::vector<Staging> staging_;  // two slots, or one with a single host sub-group
   std::unique_ptr<NvmeStateSwapper> swapper_;
+  HostSyncCounter* host_syncs_ = nullptr;
   std::unique_ptr<NvmeGradientSwapper> gradient_swapper_;
   std::vector<size_t> first_swap_index_;  // per group: its first NVMe sub-group's swap index
 };

@@ -20,6 +20,19 @@ namespace zeroshard {
 // gets a bucket of its own). Each bucket is padded to a multiple of the world
 // size and rank r owns the r-th contiguous 1/world_size of every bucket.
 //
+// [Note: aligned slots]
+// Every parameter starts on an aligned element (its slot's flat_offset is a
+// multiple of the group's `alignment`), and every bucket is padded to a
+// multiple of world_size x alignment, so each rank's slice and each bucket
+// start aligned too, in the flat buffer, in the shards and in stage 3's
+// gathered buffers. The optimizer picks the alignment so that it is
+// kAlignmentBytes in the parameters' dtype: cuBLAS(Lt) and vectorised
+// kernels fall back to slower paths (or fault) on pointers that are not
+// 16-byte aligned, and packed at any element offset, every parameter after
+// an odd-sized one was. The gaps are padding: zero in the parameters, the
+// gradients and the state, and updated with their runs (an update of zeros
+// with a zero gradient stays zero).
+//
 // A rank's shard is the concatenation of its slices of all buckets, so it is
 // one contiguous tensor. When the group fits in one bucket (the default bucket
 // size is 5e6 elements) this is exactly "rank r owns one contiguous slice of
@@ -32,6 +45,14 @@ namespace zeroshard {
 // The unit of parameters that belong to no gathering unit (stages 1 and 2,
 // and stage 3's persistent parameters).
 constexpr int64_t kNoUnit = -1;
+
+// See [Note: aligned slots].
+constexpr int64_t kAlignmentBytes = 16;
+// The alignment, in elements, of a group whose parameters have elements of
+// `element_size` bytes.
+constexpr int64_t alignment_in_elements(int64_t element_size) {
+  return element_size >= kAlignmentBytes ? 1 : kAlignmentBytes / element_size;
+}
 
 // Where one parameter sits in its group's flat buffer.
 struct ParamSlot {
@@ -67,10 +88,13 @@ class GroupLayout {
  public:
   // param_units (stage 3): the unit of each parameter, or kNoUnit; empty for
   // stages 1 and 2. A bucket then holds one unit, never split by size.
+  // alignment: every slot starts at a multiple of it (elements; see [Note:
+  // aligned slots]).
   GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel,
-              const std::vector<int64_t>& param_units = {});
+              const std::vector<int64_t>& param_units = {}, int64_t alignment = 1);
 
   int64_t world_size() const { return world_size_; }
+  int64_t alignment() const { return alignment_; }
   int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
   // Padded length of the flat buffer: a multiple of world_size.
   int64_t flat_numel() const { return flat_numel_; }
@@ -99,6 +123,7 @@ class GroupLayout {
  private:
   int64_t world_size_;
   int64_t bucket_numel_;
+  int64_t alignment_;
   int64_t flat_numel_ = 0;
   int64_t param_numel_ = 0;
   std::vector<ParamSlot> slots_;
@@ -109,9 +134,11 @@ class GroupLayout {
 // The layout of all parameter groups of one optimizer.
 class PartitionLayout {
  public:
+  // group_alignments: one per group (elements), or empty for 1 everywhere.
   PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels, int64_t world_size,
                   int64_t bucket_numel,
-                  const std::vector<std::vector<int64_t>>& group_param_units = {});
+                  const std::vector<std::vector<int64_t>>& group_param_units = {},
+                  const std::vector<int64_t>& group_alignments = {});
 
   int64_t world_size() const { return world_size_; }
   const std::vector<GroupLayout>& groups() const { return groups_; }

@@ -9,8 +9,6 @@
 #include "zeroshard/error_agreement.h"
 #include "zeroshard/model_parallel.h"
 
-#include <c10/core/Device.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -22,9 +20,7 @@ class ProcessGroups {
  public:
   // `shard`: ZeRO's data-parallel group (required); `replica`: hybrid
   // sharding's replicate group (the ranks holding the same shard), or null.
-  // `device`: where agreement tensors live (NCCL needs device tensors).
-  ProcessGroups(std::unique_ptr<Communicator> shard, std::unique_ptr<Communicator> replica,
-                c10::Device device);
+  ProcessGroups(std::unique_ptr<Communicator> shard, std::unique_ptr<Communicator> replica);
 
   Communicator& shard() const { return *shard_; }
   Communicator* replica() const { return replica_.get(); }
@@ -64,7 +60,8 @@ class ProcessGroups {
                            const std::string& tag) const;
 
   // Replica 0's values on every replica; the maximum over the replicas; the
-  // maximum over the model-parallel group. No-ops where the group is absent.
+  // maximum over the model-parallel group (host tensors, over the host
+  // channel). No-ops where the group is absent.
   void broadcast_across_replicas(at::Tensor& tensor, const std::string& tag) const;
   void max_across_replicas(at::Tensor& tensor, const std::string& tag) const;
   void max_across_model_parallel(at::Tensor& tensor, const std::string& tag) const;
@@ -74,7 +71,6 @@ class ProcessGroups {
   std::unique_ptr<Communicator> replica_;
   std::unique_ptr<Communicator> model_parallel_;
   ModelParallel model_parallel_kind_ = ModelParallel::kNone;
-  c10::Device device_;
 };
 
 }  // namespace zeroshard

@@ -20,6 +20,7 @@
 #pragma once
 
 #include "zeroshard/checkpoint.h"
+#include "zeroshard/host_syncs.h"
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/model_parallel.h"
 #include "zeroshard/parameter_unit.h"
@@ -29,6 +30,7 @@
 #include <torch/csrc/api/include/torch/optim/optimizer.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -283,6 +285,22 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // (0 for both without negotiation).
   int64_t agreements() const;
   int64_t diverged_agreements() const;
+
+  // Every time this optimizer made the host wait for the device since
+  // construction, by reason ("step_flags", "clip_coefficient", ...: see
+  // [Note: host syncs, counted] in host_syncs.h). Counted whatever the device,
+  // so a CPU run shows what a GPU run pays.
+  std::map<std::string, int64_t> host_sync_counts() const;
+  // Where they are counted: code around the optimizer (the engine) that
+  // reads device data counts its reads here too.
+  HostSyncCounter& host_sync_counter();
+  // The group host knowledge (agreements, flags, error strings) travels over
+  // for the shard group: see [Note: the host channel] in communicator.h. A
+  // group with a CPU backend is its own; for an NCCL-only group pass a Gloo
+  // group over the same ranks (make_gloo_process_group). Null: none, host
+  // data then goes through the device and each exchange is a host sync.
+  // Collective in effect: every rank sets the same kind of channel.
+  void set_host_channel(c10::intrusive_ptr<c10d::ProcessGroup> group);
 
   // Collective. Gathers the buckets holding `params` (all parameters when
   // empty) and keeps them gathered until unpin_parameters. With
