@@ -119,8 +119,11 @@ TEST(UnitModuleTest, StageThreeTrainsATorchNnModelLikeLibTorchAdamW) {
         diff = std::max(diff, (results[rank][i] - expected[i]).abs().max().item<double>());
       }
       EXPECT_LE(diff, 1e-6) << "world " << world << " rank " << rank;
-      // Only the head (in no unit) stays gathered: 9*3 + 3 floats.
-      EXPECT_EQ(gathered_between_steps[rank], (9 * 3 + 3) * 4) << "rank " << rank;
+      // Only the head (in no unit) stays gathered: its 3 bias floats, then
+      // its 9*3 weight from the next 16-byte boundary ([Note: aligned
+      // slots]), the bucket padded to a multiple of world x 4 floats.
+      const int64_t bucket = (4 + 9 * 3 + 4 * world - 1) / (4 * world) * (4 * world);
+      EXPECT_EQ(gathered_between_steps[rank], bucket * 4) << "rank " << rank;
     }
   }
 }
@@ -310,7 +313,9 @@ TEST(UnitModuleTest, GatheredParametersKeepsTheModifierRanksEdits) {
         weight.fill_(0.5);
       }
     }
-    EXPECT_EQ(optimizer.gathered_parameter_bytes(), (9 * 3 + 3) * 4);  // released again
+    // Released again: only the head stays, its bucket aligned and padded
+    // to a multiple of 3 ranks x 4 floats ([Note: aligned slots]).
+    EXPECT_EQ(optimizer.gathered_parameter_bytes(), 36 * 4);
     GatheredParameters full(optimizer, {weight});
     EXPECT_TRUE(weight.eq(0.5).all().item<bool>()) << "rank " << rank;
   });

@@ -323,10 +323,13 @@ TEST_P(ZeroOptimizerTest, OptimizerStateIsDividedByWorldSize) {
     ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3));
     bytes[rank] = optimizer.optimizer_state_bytes();
   });
-  const int64_t numel = 35 + 7 + 21 + 1 + 4;
+  // Reversed, each slot on a 4-element (16-byte) boundary ([Note: aligned
+  // slots]): 4 at 0, 1 at 4, 21 at 8, 7 at 32, 35 at 40, so 75 elements for
+  // the 68 of the model, in one bucket padded to a multiple of world x 4.
+  const int64_t aligned_end = 75;
   for (int rank = 0; rank < world; ++rank) {
     EXPECT_EQ(errors[rank], "");
-    const int64_t padded = (numel + world - 1) / world;  // one bucket
+    const int64_t padded = (aligned_end + 4 * world - 1) / (4 * world) * 4;  // per rank
     // fp32 parameters: the master values are the parameter shard itself.
     EXPECT_EQ(bytes[rank], padded * 2 * 4) << "exp_avg, exp_avg_sq";
   }

@@ -198,6 +198,17 @@ def _unit_numels(model: nn.Module, optimizer: Any) -> dict[str, int]:
     return {u.name: sum(p.numel() for p in u.params) for u in units}
 
 
+def _unit_tensors(model: nn.Module) -> dict[str, int]:
+    return {u.name: len(u.params) for u in zeroshard.units.plan_units(model)}
+
+
+def _gathered_bound(numel: int, tensors: int, world_size: int) -> int:
+    """The most elements a unit's gathered bucket holds: its parameters, under
+    4 fp32 elements before each (slots start on 16 bytes: [Note: aligned
+    slots]) and under world_size x 4 of padding at the end."""
+    return numel + 3 * tensors + 4 * world_size - 1
+
+
 def _measure(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tokens, targets = micro_batch(0, 0, rank, world_size)
@@ -233,6 +244,7 @@ def _measure(rank: int, world_size: int) -> dict[str, Any]:
             "gathered": optimizer.gathered_parameter_bytes(),
         }
     out["unit_numels"] = _unit_numels(model, optimizer)
+    out["unit_tensors"] = _unit_tensors(model)
     out["persistent_numel"] = sum(p.numel() for p in model.parameters() if p.numel() < 20)
     out["param_numel"] = sum(p.numel() for p in model.parameters())
 
@@ -297,8 +309,10 @@ def test_parameter_bytes_between_steps_are_the_shard(measured) -> None:
     for rank, r in enumerate(results):
         psi = r["param_numel"]
         shard = r["no_prefetch"]["parameter_bytes"] - r["no_prefetch"]["gathered"]
-        # One bucket per unit, each padded to a multiple of the world size.
-        slack = 4 * len(r["unit_numels"]) * (world_size - 1)
+        # One bucket per unit, each padded ([Note: aligned slots]).
+        slack = 4 * sum(
+            _gathered_bound(0, r["unit_tensors"][name], world_size) for name in r["unit_numels"]
+        )
         print(
             f"world_size={world_size} rank={rank}: parameter bytes between steps "
             f"{r['no_prefetch']['parameter_bytes']} (shard {shard}, gathered "
@@ -311,7 +325,10 @@ def test_parameter_bytes_between_steps_are_the_shard(measured) -> None:
 def test_peak_gathered_bytes_during_forward_respect_prefetch_and_live_limits(measured) -> None:
     world_size, results = measured
     for r in results:
-        units = r["unit_numels"]
+        units = {
+            name: _gathered_bound(numel, r["unit_tensors"][name], world_size)
+            for name, numel in r["unit_numels"].items()
+        }
         # The root unit (the position table it owns, and the embedding, final
         # norm and tied head outside the blocks) stays gathered through the
         # whole forward; one block at a time joins it.
