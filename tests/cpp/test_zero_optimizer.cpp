@@ -195,9 +195,10 @@ TEST(ZeroOptimizerHybridTest, TwoShardGroupsOfTwoMatchLibTorchAtEveryStage) {
       EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
       EXPECT_GE(diffs[rank], 0.0);
       EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
-      // The last step: the fp32 gradient shard and the 5 + 2 presence,
-      // overflow and detached-parameter flags (int32), nothing else.
-      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 2))
+      // The last step: the fp32 gradient shard and the 5 + 4 presence,
+      // overflow and detached-parameter flags and the hyper-parameters' hash
+      // and its complement (int32), nothing else.
+      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 4))
           << "stage " << stage << " rank " << rank;
       EXPECT_EQ(replica_gathers[rank], 0) << "stage " << stage << " rank " << rank;
     }
