@@ -314,3 +314,57 @@ def test_a_different_lr_per_rank_ends_every_rank_with_an_error() -> None:
     ):
         assert code == 1, f"rank {rank} exited with {code} (a signal is negative):\n{out}"
         assert "group 0 lr" in out and "rank 0" in out and "rank 1" in out, out
+
+
+# torch's clip over what zeroshard cannot clip as torch would ------------------------
+
+
+def _clip_calls(rank: int, world: int) -> dict[str, Any]:
+    """Each call's outcome after one backward at stage 2: the type and message
+    of its error, or the norm it returned."""
+    torch.manual_seed(0)
+    model = Net()
+    other = nn.Linear(2, 2)  # no ZeroOptimizer holds it
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), stage=2, module=model)
+    x, y = _batch(0, rank, world)
+    nn.functional.mse_loss(model(x), y).backward()
+    other(torch.ones(1, 2)).sum().backward()
+    calls = {
+        "some_of_the_parameters": lambda: torch.nn.utils.clip_grad_norm_(
+            model.fc1.parameters(), 1.0
+        ),
+        "mixed_with_other_gradients": lambda: torch.nn.utils.clip_grad_norm_(
+            [*model.parameters(), *other.parameters()], 1.0
+        ),
+        "inf_norm": lambda: torch.nn.utils.clip_grad_norm_(
+            model.parameters(), 1.0, norm_type=float("inf")
+        ),
+        # Not zeroshard's: torch's own, unchanged.
+        "another_model": lambda: torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9),
+        "everything": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9),
+    }
+    outcomes: dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            outcomes[name] = ("norm", float(call()))
+        except Exception as error:  # noqa: BLE001 - recorded for the assertions
+            outcomes[name] = (type(error).__name__, str(error))
+    outcomes["optimizer_norm"] = float(optimizer.clip_grad_norm_(1e9))
+    other_norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))
+    outcomes["other_norm"] = float(other_norm)
+    return outcomes
+
+
+def test_torch_clip_refuses_what_it_cannot_clip_as_torch_and_leaves_the_rest_alone() -> None:
+    for rank, outcomes in enumerate(unwrap(run_ranks(2, _clip_calls))):
+        print(rank, outcomes)
+        kind, message = outcomes["some_of_the_parameters"]
+        assert kind == "ValueError" and "pass all of them" in message, message
+        assert "fc2.weight" in message, message  # names what is missing
+        kind, message = outcomes["mixed_with_other_gradients"]
+        assert kind == "ValueError" and "2 parameter(s) with a gradient" in message, message
+        kind, message = outcomes["inf_norm"]
+        assert kind == "ValueError" and "norm_type=inf" in message, message
+        assert outcomes["another_model"] == ("norm", pytest.approx(outcomes["other_norm"]))
+        assert outcomes["everything"] == ("norm", outcomes["optimizer_norm"])
+        assert outcomes["optimizer_norm"] > 0
