@@ -369,6 +369,42 @@ TEST_P(ZeroOptimizerTest, StageTwoWithClippingMatchesLibTorch) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ZeroOptimizerTest, ::testing::Values(2, 3));
 
+TEST(ZeroOptimizerErrorsTest, ADifferentLrOnOneRankFailsOnEveryRankNamingEachRanksValue) {
+  // At construction (one all-reduce of every option's and hyper-parameter's
+  // extremes), and at the step after one rank changed it (the step's flags
+  // carry their hash).
+  const std::string named = "rank 0: group 0 lr = 0.001; rank 1: group 0 lr = 0.002";
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(rank == 0 ? 1e-3 : 2e-3));
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find(named), std::string::npos) << errors[rank];
+  }
+  errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3),
+                            ZeroOptions().stage(2));
+    const at::Tensor before = model.params[0].detach().clone();
+    auto [x, target] = GlobalBatch(0);
+    model.loss(x, target).backward();
+    if (rank == 1) {
+      static_cast<torch::optim::AdamWOptions&>(optimizer.param_groups()[0].options()).lr(2e-3);
+    }
+    try {
+      optimizer.step();
+    } catch (...) {
+      EXPECT_TRUE(model.params[0].equal(before)) << "rank " << rank << " updated";
+      throw;
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find("step() refused: the ranks' hyper-parameters differ (" + named),
+              std::string::npos)
+        << errors[rank];
+  }
+}
+
 TEST(ZeroOptimizerErrorsTest, StateFromAnotherWorldSizeFailsOnEveryRank) {
   std::vector<ShardState> saved(3);
   auto save_errors = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
