@@ -534,6 +534,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("unpin_parameters", &ZeroOptimizer::unpin_parameters, py::arg("params"),
            py::arg("modifier_rank") = -1, py::call_guard<py::gil_scoped_release>())
+      .def("broadcast_buffers", &ZeroOptimizer::broadcast_buffers, py::arg("buffers"),
+           py::call_guard<py::gil_scoped_release>())
       .def("replacement_parameters", &ZeroOptimizer::replacement_parameters)
       .def("adopt_parameters", &ZeroOptimizer::adopt_parameters, py::arg("params"))
       .def("begin_initialization", &ZeroOptimizer::begin_initialization, py::arg("params"),

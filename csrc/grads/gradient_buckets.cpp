@@ -252,7 +252,8 @@ void GradientBuckets::adopt_completion_order() {
   }
   at::Tensor agreed = at::tensor(flat, at::kLong).to(grad_options_[0].device());
   comm_.broadcast(agreed, /*root=*/0, "bucket_order");
-  agreed = agreed.cpu();
+  // Once, after the first round (warm-up): not a step's cost.
+  agreed = read_to_host(agreed, comm_.host_sync_counter(), HostSync::kHostDataOnDevice);
   const auto* data = agreed.data_ptr<int64_t>();
   for (size_t i = 0; i < order.size(); ++i) {
     order_[i] = {static_cast<size_t>(data[2 * i]), static_cast<size_t>(data[2 * i + 1])};

@@ -28,24 +28,31 @@ GradientHooks::GradientHooks(const std::vector<std::vector<at::Tensor>>& params,
                              GradientCallback on_gradient,
                              std::function<void(bool)> on_backward_end)
     : on_gradient_(std::move(on_gradient)), on_backward_end_(std::move(on_backward_end)) {
+  hooked_.resize(params.size());
   for (size_t g = 0; g < params.size(); ++g) {
+    hooked_[g].assign(params[g].size(), false);
     for (size_t i = 0; i < params[g].size(); ++i) {
-      const at::Tensor& param = params[g][i];
-      if (!param.requires_grad()) {
-        continue;  // never receives a gradient
-      }
-      Installed hook;
-      hook.accumulator = torch::autograd::impl::grad_accumulator(param);
-      TORCH_INTERNAL_ASSERT(hook.accumulator, "a leaf parameter has no grad accumulator");
-      // The accumulator already owns the variable, so capturing it here adds
-      // no reference cycle.
-      at::Tensor captured = param;
-      const auto index = static_cast<int64_t>(i);
-      hook.key = hook.accumulator->add_post_hook(std::make_unique<PostAccumulateHook>(
-          [this, g, index, captured]() { fired(g, index, captured); }));
-      installed_.push_back(std::move(hook));
+      install(g, static_cast<int64_t>(i), params[g][i]);
     }
   }
+}
+
+bool GradientHooks::install(size_t group, int64_t index, const at::Tensor& param) {
+  // A frozen parameter has no grad accumulator and never receives a gradient.
+  if (!param.requires_grad() || hooked_[group][index]) {
+    return false;
+  }
+  Installed hook;
+  hook.accumulator = torch::autograd::impl::grad_accumulator(param);
+  TORCH_INTERNAL_ASSERT(hook.accumulator, "a leaf parameter has no grad accumulator");
+  // The accumulator already owns the variable, so capturing it here adds
+  // no reference cycle.
+  at::Tensor captured = param;
+  hook.key = hook.accumulator->add_post_hook(std::make_unique<PostAccumulateHook>(
+      [this, group, index, captured]() { fired(group, index, captured); }));
+  installed_.push_back(std::move(hook));
+  hooked_[group][index] = true;
+  return true;
 }
 
 GradientHooks::~GradientHooks() {

@@ -159,6 +159,9 @@ void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
 void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
   impl_->unpin_parameters(params, modifier_rank);
 }
+void ZeroOptimizer::broadcast_buffers(const std::vector<at::Tensor>& buffers) {
+  impl_->broadcast_buffers(buffers);
+}
 const std::vector<std::vector<at::Tensor>>& ZeroOptimizer::replacement_parameters() const {
   return impl_->replacement_parameters();
 }

@@ -88,13 +88,17 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   for (const auto& group : param_groups_) {
     total += static_cast<int64_t>(group.params().size());
   }
-  // The last two flags: this rank's reduced gradients hold inf/NaN; one of
-  // its parameters left the optimizer's storage. Host knowledge, exchanged
-  // over the host channel, but for the one read of the device's inf/NaN flag
-  // (see [Note: host syncs, counted]).
-  at::Tensor flags = at::zeros({total + 2}, at::kInt);
+  // Then: this rank's reduced gradients hold inf/NaN; one of its parameters
+  // left the optimizer's storage; its hyper-parameters' hash and the hash's
+  // complement ([Note: what the ranks must agree on]). Host knowledge,
+  // exchanged over the host channel, but for the one read of the device's
+  // inf/NaN flag (see [Note: host syncs, counted]).
+  at::Tensor flags = at::zeros({total + 4}, at::kInt);
   auto* data = flags.data_ptr<int32_t>();
   data[total + 1] = detached ? 1 : 0;
+  const int32_t hyperparameters = hyperparameter_hash();
+  data[total + 2] = hyperparameters;
+  data[total + 3] = ~hyperparameters;
   if (options_.skip_nonfinite_steps()) {
     // Accumulated on the device, chunk by chunk, and read once: a read per
     // chunk would wait for the device once per chunk.
@@ -127,6 +131,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   data = flags.data_ptr<int32_t>();
   *overflow = data[total] != 0;
   *any_detached = data[total + 1] != 0;
+  hyperparameters_differ_ = data[total + 2] != ~data[total + 3];
   std::vector<std::vector<bool>> has_grad(param_groups_.size());
   index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {

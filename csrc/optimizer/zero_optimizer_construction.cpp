@@ -144,6 +144,9 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
         *layout_, groups_->shard(), param_options, std::move(unit_names), std::move(unit_buckets),
         [this](size_t g, size_t b) {
           if (param_swapper_) {
+            if (!device_.is_cpu()) {
+              host_syncs_.count(HostSync::kPageableCopy);  // a blocking copy per bucket
+            }
             // An NVMe bucket's buffer is the collective's own (freed with it);
             // a bucket kept in host memory is copied, as with 'cpu'.
             return param_swapper_->read(g, b).to(device_, /*non_blocking=*/false,
@@ -157,8 +160,11 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
           }
           // offload_param: the shard goes to the device first, when the gather
           // (or its prefetch) is issued; the collective holds the copy.
-          return shard.to(device_, placement_->asynchronous_copies(StateTier::kHost, true),
-                          /*copy=*/true);
+          const bool async = placement_->asynchronous_copies(StateTier::kHost, true);
+          if (!async && !device_.is_cpu()) {
+            host_syncs_.count(HostSync::kPageableCopy);  // pin_memory=False
+          }
+          return shard.to(device_, async, /*copy=*/true);
         },
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
   }
@@ -298,7 +304,46 @@ void ZeroOptimizer::Impl::set_bucket_expectations() {
       expects[g].push_back(param.requires_grad());
     }
   }
+  expected_gradients_ = expects;
   buckets_->set_expects_gradient(std::move(expects));
+}
+
+// [Note: parameters unfrozen after construction]
+// The buckets' expectations and the hooks follow requires_grad as it was at
+// construction. A parameter unfrozen later (requires_grad_(True) after some
+// steps: staged fine-tuning) delivers its gradient to .grad with no hook, and
+// a bucket not expecting it can be reduced before it comes: at stage 3 its
+// unit's bucket was complete, and reduced as zeros, before backward reached
+// it, so it never trained. So before each round's first gradient (the first
+// hook, stage 3's first pre-backward, the reduction in step()) the
+// expectations follow requires_grad again: the bucket waits for it and, with
+// no hook, takes it from .grad when backward ends. Outside backward (stage 3's
+// model forward, the end of step()) it also gets its hook, so later rounds
+// reduce it as it comes. A parameter frozen later needs nothing: its bucket
+// waits for the end of backward, as for any parameter without a gradient.
+void ZeroOptimizer::Impl::follow_requires_grad(bool outside_backward) {
+  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  if (!buckets_ || expected_gradients_.size() != param_groups_.size()) {
+    return;  // still under construction
+  }
+  bool changed = false;
+  for (size_t g = 0; g < param_groups_.size() && !changed; ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size() && !changed; ++i) {
+      changed = params[i].requires_grad() != expected_gradients_[g][i];
+    }
+  }
+  if (changed && !buckets_->round_open()) {
+    set_bucket_expectations();
+  }
+  if (outside_backward && hooks_) {
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      const auto& params = param_groups_[g].params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        hooks_->install(g, static_cast<int64_t>(i), params[i]);
+      }
+    }
+  }
 }
 
 void ZeroOptimizer::Impl::install_gradient_hooks() {

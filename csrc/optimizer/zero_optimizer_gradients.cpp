@@ -62,6 +62,9 @@ void ZeroOptimizer::Impl::on_gradient(size_t g, int64_t i, const at::Tensor& par
   if (groups_->shard().event_log_enabled()) {  // no string building per gradient otherwise
     groups_->shard().note("grad_ready", "group" + std::to_string(g) + "/param" + std::to_string(i));
   }
+  if (!buckets_->round_open()) {
+    follow_requires_grad(/*outside_backward=*/false);
+  }
   buckets_->add_gradient(g, i, grad);
   gradients_reduced_ = false;
   // The full gradient now lives in the bucket; only the shard stays.
@@ -176,6 +179,7 @@ void ZeroOptimizer::Impl::finish_gradient_reduction() {
     return;
   }
   at::NoGradGuard no_grad;
+  follow_requires_grad(/*outside_backward=*/false);  // before this round, if none is open
   bool reduced_in_backward = false;
   if (options_.stage() == 1 && hooks_) {
     // A rank whose backward delivered no gradient issues the round the others

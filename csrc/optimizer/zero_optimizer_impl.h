@@ -137,6 +137,7 @@ class ZeroOptimizer::Impl {
   int64_t diverged_agreements() const;
   void pin_parameters(const std::vector<at::Tensor>& params);
   void unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank = -1);
+  void broadcast_buffers(const std::vector<at::Tensor>& buffers);
   const std::vector<std::vector<at::Tensor>>& replacement_parameters() const {
     return replacements_;
   }
@@ -178,10 +179,17 @@ class ZeroOptimizer::Impl {
   void build_stage3_shards(size_t group);
   void install_gradient_hooks();
   void set_bucket_expectations();
+  // [Note: parameters unfrozen after construction]
+  void follow_requires_grad(bool outside_backward);
   std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
   c10::Device device() const { return device_; }
   void validate_parameters() const;
+  // [Note: what the ranks must agree on] (zero_optimizer_validation.cpp).
   void check_layout_agrees_across_ranks();
+  // Folded into the step's flags: a hash of every group's hyper-parameters,
+  // and the raise, on every rank, naming what differs where.
+  int32_t hyperparameter_hash() const;
+  void raise_hyperparameter_difference();
   void build_group_shards();
   void ensure_state_tensors(size_t group);
   // This rank's fp32 master values of one bucket (a view, updated in place).
@@ -350,7 +358,9 @@ class ZeroOptimizer::Impl {
   c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
   bool gradients_reduced_ = false;               // shards hold the averaged gradient
   LossScaling loss_scaling_;
-  int64_t model_forward_depth_ = 0;  // see model_forward_begin
+  bool hyperparameters_differ_ = false;                // what the last step's flags found
+  std::vector<std::vector<bool>> expected_gradients_;  // requires_grad the buckets follow
+  int64_t model_forward_depth_ = 0;                    // see model_forward_begin
   bool gradient_sync_ = true;
   bool unsynced_gradients_ = false;     // a backward ran under no_sync since the last reduction
   Stage1GradientCopies stage1_copies_;  // stage 1 overlap: see its header

@@ -6,11 +6,50 @@
 #include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace zeroshard {
+
+void ZeroOptimizer::Impl::broadcast_buffers(const std::vector<at::Tensor>& buffers) {
+  at::NoGradGuard no_grad;
+  // One broadcast per dtype (a model's buffers are many and small: a
+  // BatchNorm has three), in the order the dtypes first appear, which every
+  // rank passing the same buffers shares. Meta buffers hold no values yet.
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& buffer : buffers) {
+    if (buffer.defined() && !buffer.is_meta() && buffer.numel() > 0 &&
+        std::find(dtypes.begin(), dtypes.end(), buffer.scalar_type()) == dtypes.end()) {
+      dtypes.push_back(buffer.scalar_type());
+    }
+  }
+  for (const c10::ScalarType dtype : dtypes) {
+    std::vector<at::Tensor> same;
+    std::vector<at::Tensor> flat;
+    for (const auto& buffer : buffers) {
+      if (buffer.defined() && !buffer.is_meta() && buffer.numel() > 0 &&
+          buffer.scalar_type() == dtype) {
+        same.push_back(buffer.detach());
+        // Bytes: not every backend broadcasts bool.
+        flat.push_back(
+            buffer.detach().to(device_, dtype == at::kBool ? at::kByte : dtype).reshape({-1}));
+      }
+    }
+    at::Tensor all = at::cat(flat);
+    const std::string tag = std::string("buffers/") + c10::toString(dtype);
+    groups_->shard().broadcast(all, options_.broadcast_from_rank(), tag);
+    groups_->broadcast_across_replicas(all, tag);
+    int64_t offset = 0;
+    for (auto& buffer : same) {
+      buffer.copy_(all.narrow(0, offset, buffer.numel()).view(buffer.sizes()));
+      offset += buffer.numel();
+    }
+  }
+}
 
 void ZeroOptimizer::Impl::build_group_shards() {
   const int64_t rank = groups_->shard().rank();

@@ -139,6 +139,7 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
     if (hooks_) {
       hooks_->track_current_backward();
     }
+    follow_requires_grad(/*outside_backward=*/false);
     gatherer_->pre_backward(unit);
   });
 }
@@ -146,6 +147,7 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
 void ZeroOptimizer::Impl::model_forward_begin() {
   if (gatherer_ && torch::autograd::get_current_graph_task_id() == -1) {
     model_forward_depth_ += 1;
+    follow_requires_grad(/*outside_backward=*/true);
   }
 }
 

@@ -46,6 +46,9 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
   bool overflow = false;
   bool any_detached = false;
   const auto has_grad = global_grad_presence(&overflow, !detached.empty(), &any_detached);
+  if (hyperparameters_differ_) {
+    raise_hyperparameter_difference();  // every rank saw it; the gradients stay
+  }
   if (any_detached) {
     // Every rank saw the flag; the names come from the ranks that have them.
     // Nothing is updated and the gradients stay for a retry.
@@ -78,6 +81,7 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
   // The step consumes the gradients.
   std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
   clear_gradient_shards();
+  follow_requires_grad(/*outside_backward=*/true);
   return loss;
 }
 

@@ -10,7 +10,12 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <type_traits>
 #include <unordered_map>
 
 namespace zeroshard {
@@ -146,18 +151,175 @@ void ZeroOptimizer::Impl::validate_parameters() const {
   }
 }
 
+// [Note: what the ranks must agree on]
+// Every rank must build its optimizer alike: the same parameters (the
+// layout's fingerprint), options and hyper-parameters per group. A rank that
+// differs either issues other collectives (another stage or bucket size) or
+// trains silently otherwise (each shard updated with its owner's lr).
+// Construction compares every such value in one all-reduce of extremes (a
+// value and its complement: the largest and the smallest of each), and when
+// some differ the ranks exchange their own values of those to name them:
+// "stage: rank 0: 2; rank 1: 3". Hyper-parameters may change between steps
+// (a scheduler, an edit of param_groups), on every rank alike: each step puts
+// a hash of them into the flags all-reduce it makes anyway (two more int32s,
+// no collective of its own), and only when the hashes differ do the ranks
+// compare the values themselves, to raise naming them.
+namespace {
+
+struct AgreedValue {
+  std::string name;  // as messages say it
+  int64_t bits;      // what the extremes compare: a double's bits, an integer, a flag
+  std::string text;  // this rank's value, as messages say it
+};
+
+int64_t bits_of(double value) {
+  int64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+std::vector<AgreedValue> hyperparameter_values(
+    InnerOptimizerKind kind, const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<AgreedValue> out;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const nlohmann::json values = inner_options_to_json(kind, groups[g].options());
+    for (auto it = values.begin(); it != values.end(); ++it) {
+      const std::string name = "group " + std::to_string(g) + " " + it.key();
+      const std::string text = it.value().dump();
+      // A tuple (betas) is one value per element under one name.
+      const std::vector<nlohmann::json> elements =
+          it.value().is_array() ? std::vector<nlohmann::json>(it.value().begin(), it.value().end())
+                                : std::vector<nlohmann::json>{it.value()};
+      for (const auto& element : elements) {
+        out.push_back({name,
+                       element.is_boolean() ? static_cast<int64_t>(element.get<bool>())
+                                            : bits_of(element.get<double>()),
+                       text});
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<AgreedValue> option_values(const ZeroOptions& options, InnerOptimizerKind kind) {
+  std::vector<AgreedValue> out;
+  out.push_back({"optimizer", static_cast<int64_t>(kind), inner_optimizer_name(kind)});
+  for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& info, const auto& value) {
+    using Value = std::decay_t<decltype(value)>;
+    std::ostringstream text;
+    text << std::boolalpha << value;
+    int64_t bits = 0;
+    if constexpr (std::is_floating_point_v<Value>) {
+      bits = bits_of(static_cast<double>(value));
+    } else {
+      bits = static_cast<int64_t>(value);
+    }
+    out.push_back({info.name, bits, text.str()});
+  });
+  for (const auto& [name, offload] :
+       {std::make_pair("offload_optimizer", &options.offload_optimizer()),
+        std::make_pair("offload_param", &options.offload_param())}) {
+    out.push_back({std::string(name) + ".device", static_cast<int64_t>(offload->device()),
+                   offload_device_name(offload->device())});
+  }
+  return out;
+}
+
+// Collective over the shard group and the replicas: the names of the values
+// that differ between ranks, in `values`' order, the same on every rank.
+std::vector<std::string> differing_values(const ProcessGroups& groups,
+                                          const std::vector<AgreedValue>& values,
+                                          const std::string& tag) {
+  const auto n = static_cast<int64_t>(values.size());
+  at::Tensor extremes = at::empty({2 * n}, at::kLong);
+  auto* data = extremes.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    data[i] = values[i].bits;
+    data[n + i] = ~values[i].bits;  // the complement's largest is the smallest's complement
+  }
+  // Host knowledge, over the host channel ([Note: the host channel]).
+  groups.shard().all_reduce_on_host(extremes, c10d::ReduceOp::MAX, tag);
+  groups.max_across_replicas(extremes, tag);
+  data = extremes.data_ptr<int64_t>();
+  std::vector<std::string> names;
+  for (int64_t i = 0; i < n; ++i) {
+    if (data[i] != ~data[n + i] &&
+        std::find(names.begin(), names.end(), values[i].name) == names.end()) {
+      names.push_back(values[i].name);
+    }
+  }
+  return names;
+}
+
+// Collective (the ranks that found `names` differ, every one of them): each
+// rank's values of `names`, "rank 0: stage 2; rank 1: stage 3" (ranks alike
+// named together).
+std::string each_ranks_values(const ProcessGroups& groups, const std::vector<AgreedValue>& values,
+                              const std::vector<std::string>& names, const std::string& tag) {
+  std::string mine;
+  for (const std::string& name : names) {
+    const auto found = std::find_if(values.begin(), values.end(),
+                                    [&](const AgreedValue& v) { return v.name == name; });
+    mine += (mine.empty() ? "" : ", ") + name + " = " + found->text;
+  }
+  // The shard group and the replicas: the model-parallel group's ranks
+  // compared nothing (the extremes do not span it).
+  std::vector<AgreementGroup> scope = groups.scope();
+  scope.resize(2);
+  const std::string agreed = groups.agree(mine, tag, scope);
+  // agree's form is "(k of n ranks failed): rank r: ..."; every rank has a value.
+  const auto start = agreed.find("): ");
+  return start == std::string::npos ? agreed : agreed.substr(start + 3);
+}
+
+}  // namespace
+
 void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
   const int64_t fingerprint = layout_->fingerprint();
-  at::Tensor extremes = at::tensor({fingerprint, -fingerprint}, at::kLong);
-  groups_->shard().all_reduce_on_host(extremes, c10d::ReduceOp::MAX, "layout_check");
-  groups_->max_across_replicas(extremes, "layout_check");
-  const int64_t max_fp = extremes[0].item<int64_t>();
-  const int64_t min_fp = -extremes[1].item<int64_t>();
-  TORCH_CHECK(max_fp == fingerprint && min_fp == fingerprint,
-              "ranks built different partition layouts (this rank's fingerprint ", fingerprint,
-              ", smallest ", min_fp, ", largest ", max_fp,
+  const std::string layout_name = "partition layout";
+  std::vector<AgreedValue> values = option_values(options_, inner_kind_);
+  const std::vector<AgreedValue> hyper = hyperparameter_values(inner_kind_, param_groups_);
+  values.insert(values.end(), hyper.begin(), hyper.end());
+  values.push_back({layout_name, fingerprint, std::to_string(fingerprint)});
+  std::vector<std::string> names = differing_values(*groups_, values, "layout_check");
+  if (names.empty()) {
+    return;
+  }
+  if (names.size() > 1) {
+    // Another stage or bucket size lays the parameters out differently too:
+    // the options are the cause to name.
+    names.erase(std::remove(names.begin(), names.end(), layout_name), names.end());
+  }
+  const std::string each = each_ranks_values(*groups_, values, names, "layout_check/values");
+  TORCH_CHECK(names != std::vector<std::string>{layout_name},
+              "ranks built different partition layouts (", each,
               "): every rank must pass the same parameters, with the same shapes, in the "
-              "same groups and order, and the same reduce_bucket_size");
+              "same groups and order");
+  TORCH_CHECK_VALUE(false,
+                    "ranks built their ZeroOptimizers with different options or "
+                    "hyper-parameters: ",
+                    each, ". Every rank must pass the same ones");
+}
+
+int32_t ZeroOptimizer::Impl::hyperparameter_hash() const {
+  std::string all;
+  for (const auto& group : param_groups_) {
+    all += inner_options_to_json(inner_kind_, group.options()).dump();
+  }
+  // std::hash<std::string> is a fixed function of the bytes in libstdc++ (no
+  // per-process seed), and every rank runs the same library.
+  return static_cast<int32_t>(std::hash<std::string>{}(all)&0x7fffffff);
+}
+
+void ZeroOptimizer::Impl::raise_hyperparameter_difference() {
+  const std::vector<AgreedValue> values = hyperparameter_values(inner_kind_, param_groups_);
+  const std::vector<std::string> names = differing_values(*groups_, values, "hyperparameter_check");
+  const std::string each =
+      names.empty() ? std::string("the values agree; their hashes did not")
+                    : each_ranks_values(*groups_, values, names, "hyperparameter_check/values");
+  TORCH_CHECK_VALUE(false, "step() refused: the ranks' hyper-parameters differ (", each,
+                    "). Every rank must set the same ones: change them (a scheduler, an edit of "
+                    "param_groups) alike on every rank; nothing was updated");
 }
 
 }  // namespace zeroshard

@@ -19,6 +19,7 @@ void attach_units(torch::nn::Module& model, ZeroOptimizer& optimizer) {
       unit->attach(&optimizer, optimizer.unit_index(item.key().empty() ? "<root>" : item.key()));
     }
   }
+  optimizer.broadcast_buffers(model.buffers());
 }
 
 }  // namespace zeroshard

@@ -5,7 +5,7 @@ idiomatic layer over it.
 """
 
 from zeroshard.checkpoint import consolidate, consolidated_state_dict
-from zeroshard.clipping import clip_grad_norm_
+from zeroshard.clipping import clip_grad_norm_, route_torch_clip_grad_norm
 from zeroshard.engine import Engine, initialize
 from zeroshard.estimator import estimate, estimate_traffic, recommend
 from zeroshard.optimizer import ZeroOptimizer
@@ -13,6 +13,7 @@ from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.units import set_leaf_modules
 
 release_pinned_default_groups()
+route_torch_clip_grad_norm()  # [Note: torch's clip_grad_norm_ routed]
 
 __all__ = [
     "Engine",

@@ -406,6 +406,36 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             adopt_sharded_parameters((n, p) for n, p in named if id(p) in mine)
         if tp.active and any(p.is_meta for group in self.param_groups for p in group["params"]):
             raise ValueError("tensor-parallel (DTensor) models must be materialized first")
+        # Whose parameters torch.nn.utils.clip_grad_norm_ routes here ([Note:
+        # torch's clip_grad_norm_ routed] in clipping.py).
+        self._param_ids = frozenset(id(p) for group in self.param_groups for p in group["params"])
+        self._ignored = ignored
+        if module is not None and expert_parallel_group is None:
+            self.broadcast_buffers(module)
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Collective: ``module``'s buffers take ``broadcast_from_rank``'s values on every rank.
+
+        As ``DistributedDataParallel`` does when it wraps a model: a buffer
+        initialised differently on each rank (an unseeded random init) would
+        otherwise stay different. Construction with ``module=`` does it (not
+        for an ``expert_parallel_group`` optimizer, whose ranks hold other
+        experts); an optimizer built without ``module=`` leaves buffers as
+        they are, so call this once after construction. Buffers of modules
+        whose parameters are all in ``ignored_params`` (another optimizer's,
+        such as the experts') are left alone.
+        """
+        seen: set[int] = set()
+        buffers = []
+        for submodule in module.modules():
+            direct = list(submodule.parameters(recurse=False))
+            if direct and all(id(p) in self._ignored for p in direct):
+                continue
+            for buffer in submodule.buffers(recurse=False):
+                if id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    buffers.append(buffer)
+        self._impl.broadcast_buffers(buffers)
 
     def name_parameters(self, module: torch.nn.Module) -> None:
         """Names the parameters after ``module.named_parameters()`` (tied ones under

@@ -8,6 +8,7 @@
 #include "rank_threads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
@@ -298,6 +299,24 @@ TEST(UnitModuleTest, ARankRunningAnExtraBackwardRaisesOnEveryRank) {
 #endif  // ZEROSHARD_WITH_GLOO
 
 #ifdef ZEROSHARD_WITH_GLOO
+TEST(UnitModuleTest, AttachUnitsGivesEveryRankTheFirstRanksBuffers) {
+  // As DDP at construction: a buffer initialised differently on each rank
+  // (an unseeded random init) would otherwise stay different.
+  const auto errors = RunRanks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Net net = MakeNet();
+    at::Tensor shift = net->register_buffer("shift", at::full({4}, rank + 1.0));
+    at::Tensor mask = net->fc1->register_buffer("mask", at::full({3}, rank == 0, at::kBool));
+    ZeroOptimizer optimizer(net->parameters(), pg, torch::optim::AdamWOptions(1e-2),
+                            ZeroOptions().stage(3), collect_units(*net));
+    attach_units(*net, optimizer);
+    EXPECT_TRUE(shift.eq(1.0).all().item<bool>()) << "rank " << rank << ": " << shift;
+    EXPECT_TRUE(mask.all().item<bool>()) << "rank " << rank << ": " << mask;
+  });
+  for (const auto& error : errors) {
+    EXPECT_EQ(error, "");
+  }
+}
+
 TEST(UnitModuleTest, GatheredParametersKeepsTheModifierRanksEdits) {
   const auto errors = RunRanks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     Net net = MakeNet();

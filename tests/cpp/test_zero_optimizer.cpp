@@ -195,9 +195,10 @@ TEST(ZeroOptimizerHybridTest, TwoShardGroupsOfTwoMatchLibTorchAtEveryStage) {
       EXPECT_EQ(errors[rank], "") << "stage " << stage << " rank " << rank;
       EXPECT_GE(diffs[rank], 0.0);
       EXPECT_LE(diffs[rank], 1e-6) << "stage " << stage << " rank " << rank;
-      // The last step: the fp32 gradient shard and the 5 + 2 presence,
-      // overflow and detached-parameter flags (int32), nothing else.
-      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 2))
+      // The last step: the fp32 gradient shard and the 5 + 4 presence,
+      // overflow and detached-parameter flags and the hyper-parameters' hash
+      // and its complement (int32), nothing else.
+      EXPECT_EQ(replica_bytes[rank], 4 * shard_numel[rank] + 4 * (5 + 4))
           << "stage " << stage << " rank " << rank;
       EXPECT_EQ(replica_gathers[rank], 0) << "stage " << stage << " rank " << rank;
     }
@@ -370,6 +371,42 @@ TEST_P(ZeroOptimizerTest, StageTwoWithClippingMatchesLibTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ZeroOptimizerTest, ::testing::Values(2, 3));
+
+TEST(ZeroOptimizerErrorsTest, ADifferentLrOnOneRankFailsOnEveryRankNamingEachRanksValue) {
+  // At construction (one all-reduce of every option's and hyper-parameter's
+  // extremes), and at the step after one rank changed it (the step's flags
+  // carry their hash).
+  const std::string named = "rank 0: group 0 lr = 0.001; rank 1: group 0 lr = 0.002";
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(rank == 0 ? 1e-3 : 2e-3));
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find(named), std::string::npos) << errors[rank];
+  }
+  errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, torch::optim::AdamWOptions(1e-3),
+                            ZeroOptions().stage(2));
+    const at::Tensor before = model.params[0].detach().clone();
+    auto [x, target] = GlobalBatch(0);
+    model.loss(x, target).backward();
+    if (rank == 1) {
+      static_cast<torch::optim::AdamWOptions&>(optimizer.param_groups()[0].options()).lr(2e-3);
+    }
+    try {
+      optimizer.step();
+    } catch (...) {
+      EXPECT_TRUE(model.params[0].equal(before)) << "rank " << rank << " updated";
+      throw;
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find("step() refused: the ranks' hyper-parameters differ (" + named),
+              std::string::npos)
+        << errors[rank];
+  }
+}
 
 TEST(ZeroOptimizerErrorsTest, StateFromAnotherWorldSizeFailsOnEveryRank) {
   std::vector<ShardState> saved(3);

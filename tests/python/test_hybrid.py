@@ -181,8 +181,9 @@ def test_hybrid_sharding_matches_torch_optim(stage: int, how: str) -> None:
 def test_hybrid_traffic_within_and_across_groups_is_theory(stage: int, how: str) -> None:
     for rank, r in enumerate(trained(stage, how)):
         grad_shard_bytes = 4 * sum(r["shard_numels"])  # fp32 gradient shards
-        # The step's flags: presence per parameter, overflow, detached parameters.
-        flag_bytes = 4 * (r["num_params"] + 2)
+        # The step's flags: presence per parameter, overflow, detached
+        # parameters, the hyper-parameters' hash and its complement.
+        flag_bytes = 4 * (r["num_params"] + 4)
         for step, stats in enumerate(r["per_step"]):
             shard, replica, plain = stats["shard"], stats["replica"], stats["plain"]
             # Within the shard group: exactly plain ZeRO over its 2 ranks.

@@ -250,13 +250,14 @@ def test_bytes_per_step_equal_stage2_theory(trained) -> None:
             f"world_size={world_size}: reduce_scatter {stats['reduce_scatter_bytes']} B, "
             f"all_gather {stats['all_gather_bytes']} B, flag all_reduce "
             f"{stats['all_reduce_bytes']} B; theory 2 x {padded} B (padded flat size, "
-            f"{sum(m['param_numels']) * 4} B unpadded) + {(m['num_params'] + 2) * 4} B flags"
+            f"{sum(m['param_numels']) * 4} B unpadded) + {(m['num_params'] + 4) * 4} B flags"
         )
         assert stats["reduce_scatter_bytes"] == padded
         assert stats["all_gather_bytes"] == padded
-        # One int32 flag per parameter (had a gradient), the overflow flag and
-        # the detached-parameter flag.
-        assert stats["all_reduce_bytes"] == (m["num_params"] + 2) * 4
+        # One int32 flag per parameter (had a gradient), the overflow flag,
+        # the detached-parameter flag, the hyper-parameters' hash and its
+        # complement.
+        assert stats["all_reduce_bytes"] == (m["num_params"] + 4) * 4
 
 
 def _train_with_collectives(rank: int, world_size: int, stage: int, broadcasts: bool, a2a: bool):

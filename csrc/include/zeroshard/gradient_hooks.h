@@ -32,6 +32,11 @@ class GradientHooks {
   GradientHooks(const GradientHooks&) = delete;
   GradientHooks& operator=(const GradientHooks&) = delete;
 
+  // Outside a backward pass: hooks parameter `index` of `group` if it needs
+  // a gradient now and has no hook yet (it was frozen when the hooks were
+  // installed); returns whether it did.
+  bool install(size_t group, int64_t index, const at::Tensor& param);
+
   // From inside a backward pass (e.g. a tensor hook): makes sure
   // on_backward_end runs when this graph task ends.
   void track_current_backward();
@@ -51,6 +56,7 @@ class GradientHooks {
     uintptr_t key = 0;
   };
   std::vector<Installed> installed_;
+  std::vector<std::vector<bool>> hooked_;  // per group and parameter
   GradientCallback on_gradient_;
   std::function<void(bool)> on_backward_end_;
   // Graph tasks (backward passes) with an end callback queued. A reentrant

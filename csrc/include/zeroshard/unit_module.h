@@ -151,7 +151,8 @@ UnitModule<Holder> make_unit(Holder inner) {
 // parameter under it. Pass them to the stage 3 ZeroOptimizer.
 std::vector<ParameterUnit> collect_units(torch::nn::Module& model);
 // Connects every UnitModule under `model` to the optimizer built from
-// collect_units(model).
+// collect_units(model). Collective: also gives every rank broadcast_from_rank's
+// buffers of `model` (ZeroOptimizer::broadcast_buffers), as DDP does.
 void attach_units(torch::nn::Module& model, ZeroOptimizer& optimizer);
 
 }  // namespace zeroshard

@@ -312,6 +312,15 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   void pin_parameters(const std::vector<at::Tensor>& params);
   void unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank = -1);
 
+  // Collective. Copies broadcast_from_rank's values of the model's buffers
+  // (with hybrid sharding, the first replica's) into every rank's, in place,
+  // as DistributedDataParallel does when it wraps a model: a buffer
+  // initialised differently on each rank (an unseeded random init) would
+  // otherwise stay different. Every rank passes the same buffers in the same
+  // order. The Python optimizer calls it when it is given module=, and
+  // attach_units does for torch::nn models.
+  void broadcast_buffers(const std::vector<at::Tensor>& buffers);
+
   // Partitioned construction: when the parameters were on the meta device,
   // the tensors to use instead (same shapes, on materialize_device, views of
   // the released bucket buffers), per group; undefined where the parameter

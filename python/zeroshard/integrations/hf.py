@@ -237,6 +237,8 @@ class ZeroTrainer(Trainer):
         )
         self.zero_optimizer = optimizer
         self.optimizer = optimizer
+        if stage != 3:  # stage 3 has module= and did it
+            optimizer.broadcast_buffers(model)  # as accelerate's DDP would have
         attach_no_sync(model, optimizer)
         if stage == 3 and hasattr(model, "generate"):
             _synced_generate(model)
