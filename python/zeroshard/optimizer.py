@@ -153,12 +153,38 @@ def _checkpoint_prefix() -> str:
     return f"zeroshard/checkpoints/optimizer{next(_optimizers_built)}"
 
 
+def _group_param_names(groups: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]] | None:
+    """The names torch.optim kept from ``(name, parameter)`` input
+    (``model.named_parameters()``) in each group's ``"param_names"``; None
+    when the parameters came unnamed (torch.optim refuses a mix)."""
+    if not groups or "param_names" not in groups[0]:
+        return None
+    named = [
+        (name, p)
+        for group in groups
+        for name, p in zip(group["param_names"], group["params"], strict=True)
+    ]
+    names = [name for name, _ in named]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"parameter name(s) {repeated[:5]} given to more than one parameter; "
+            "checkpoints store states by name: give each parameter its own name"
+        )
+    return named
+
+
 @_document_scalar_options
 class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
-        params: parameters or parameter-group dicts, as for any torch.optim optimizer.
+        params: parameters or parameter-group dicts, as for any torch.optim
+            optimizer, named or not: ``model.named_parameters()`` (or groups
+            of ``(name, parameter)`` pairs) name the parameters in
+            checkpoints, ``full_state_dict()`` and messages, as ``module=``
+            does; ``param_names=`` or ``module=``, when given, name them
+            instead.
         optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
         <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
@@ -286,7 +312,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         super().__init__(params, defaults)
         release_pinned_default_groups()  # see [Note: the default group pinned by default arguments]
         for group in self.param_groups:
-            extra = set(group) - set(_DEFAULTS[kind]) - {"params", "initial_lr"}
+            # "param_names": torch.optim's record of named_parameters() input.
+            extra = set(group) - set(_DEFAULTS[kind]) - {"params", "param_names", "initial_lr"}
             if extra:
                 raise ValueError(
                     f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
@@ -357,7 +384,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             if param_names is not None
             else list(module.named_parameters(remove_duplicate=False))
             if module is not None
-            else None
+            else _group_param_names(self.param_groups)
         )
         if self._param_names is not None:
             self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
