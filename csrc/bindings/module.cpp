@@ -363,6 +363,19 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def(
+          "parameter_state",
+          [](const ZeroOptimizer& self, size_t group, int64_t index, bool read_states) {
+            const auto part = self.parameter_state(group, index, read_states);
+            py::dict states;
+            for (const auto& [name, tensor] : part.states) {
+              states[py::str(name)] = tensor;
+            }
+            return py::make_tuple(part.param_offset, part.numel, part.steps, states);
+          },
+          py::arg("group"), py::arg("index"), py::arg("read_states") = true)
+      .def("write_parameter_state", &ZeroOptimizer::write_parameter_state, py::arg("group"),
+           py::arg("index"), py::arg("name"), py::arg("values"))
+      .def(
           "load_shard_state",
           [](ZeroOptimizer& self, const std::map<std::string, at::Tensor>& state) {
             zeroshard::ShardState entries(state.begin(), state.end());

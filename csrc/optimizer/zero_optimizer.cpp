@@ -103,6 +103,14 @@ const NvmeParameterSwapper* ZeroOptimizer::parameter_swapper() const {
 }
 ShardState ZeroOptimizer::shard_state() const { return impl_->shard_state(); }
 void ZeroOptimizer::load_shard_state(const ShardState& state) { impl_->load_shard_state(state); }
+ZeroOptimizer::ParameterStatePart ZeroOptimizer::parameter_state(size_t group, int64_t index,
+                                                                 bool read_states) const {
+  return impl_->parameter_state(group, index, read_states);
+}
+void ZeroOptimizer::write_parameter_state(size_t group, int64_t index, const std::string& name,
+                                          const at::Tensor& values) {
+  impl_->write_parameter_state(group, index, name, values);
+}
 void ZeroOptimizer::set_parameter_names(
     const std::vector<std::pair<std::string, at::Tensor>>& named) {
   impl_->set_parameter_names(named);

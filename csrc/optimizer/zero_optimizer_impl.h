@@ -107,6 +107,10 @@ class ZeroOptimizer::Impl {
   const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
   ShardState shard_state() const;
   void load_shard_state(const ShardState& state);
+  ZeroOptimizer::ParameterStatePart parameter_state(size_t group, int64_t index,
+                                                    bool read_states) const;
+  void write_parameter_state(size_t group, int64_t index, const std::string& name,
+                             const at::Tensor& values);
   void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named) {
     param_index_.set_names(param_groups_, named);
   }

@@ -24,6 +24,7 @@ from zeroshard.groups import data_parallel_groups
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.sharded_parameter import adopt_sharded_parameters
+from zeroshard.sharded_state import ShardedOptimizerState, state_range
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
@@ -388,6 +389,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         )
         if self._param_names is not None:
             self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
+        # torch.optim's optimizer.state[p]: this rank's part (sharded_state.py).
+        self.state = ShardedOptimizerState(self)  # type: ignore[assignment]
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         _LIVE.add(self)  # with its _hook_handles: see _release_at_exit
         self._gradient_handles = tp.attach(self, self._impl, stage)
@@ -445,6 +448,16 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         self._param_names = list(module.named_parameters(remove_duplicate=False))
         tp = self._tensor_parallel
         self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
+
+    def state_range(self, p: torch.Tensor) -> tuple[int, int]:
+        """``[start, end)``: the elements of ``p.flatten()`` whose optimizer state
+        this rank holds, those ``optimizer.state[p]`` returns (``start == end``
+        where it owns none). For a tensor-parallel (DTensor) parameter, of its
+        local tensor. Local: no collective."""
+        where = self.state._where(p)
+        if where is None:
+            raise KeyError("state_range(p): p is not a parameter of this ZeroOptimizer")
+        return state_range(self._impl, where)
 
     def _plan_units(
         self,

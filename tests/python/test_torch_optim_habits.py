@@ -102,3 +102,116 @@ def _named_groups(rank: int, world_size: int) -> list[str]:
 def test_named_parameter_groups_name_the_full_state() -> None:
     results = unwrap(run_ranks(2, _named_groups))
     assert results[0] == sorted(name for name, _ in make_model().named_parameters())
+
+
+# ---- optimizer.state[p] (issue #49 item 7) --------------------------------------
+
+
+def _reference_states(kind: str, steps: int) -> dict[str, dict[str, torch.Tensor]]:
+    model = make_model(seed=0)
+    if kind == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=0.05, momentum=0.9
+        )
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, steps, 0, 1)
+    return {
+        name: {k: v.clone() for k, v in optimizer.state[p].items() if v is not None}
+        for name, p in model.named_parameters()
+    }
+
+
+def _read_states(rank: int, world_size: int, stage: int, kind: str) -> dict[str, Any]:
+    model = make_model(seed=rank)
+    hyper = {"lr": 0.05, "momentum": 0.9} if kind == "sgd" else {"lr": 1e-2}
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), kind, stage=stage, module=model, **RELEASED, **hyper
+    )
+    before = {"len": len(optimizer.state), "first": dict(optimizer.state[model.fc1.weight])}
+    train(model, optimizer, STEPS, rank, world_size)
+    parts = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state[p]
+        parts[name] = {
+            "range": optimizer.state_range(p),
+            "values": {k: v.clone() for k, v in state.items()},
+        }
+    p = model.fc1.weight
+    key = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    read = optimizer.state[p][key]
+    original = read.clone()
+    read.add_(1000.0)  # a copy: the optimizer's own state is unchanged
+    unchanged = torch.equal(optimizer.state[p][key], original)
+    written = torch.arange(read.numel(), dtype=torch.float32)
+    optimizer.state[p][key] = written
+    written_back = torch.equal(optimizer.state[p][key], written)
+    wrong_size = None
+    try:
+        optimizer.state[p][key] = torch.zeros(read.numel() + 1)
+    except ValueError as error:
+        wrong_size = str(error)
+    step_error = None
+    if kind != "sgd":
+        optimizer.state[p]["step"] = optimizer.state[p]["step"].clone()  # a round trip
+        try:
+            optimizer.state[p]["step"] = 99
+        except ValueError as error:
+            step_error = str(error)
+    # state_dict() / load_state_dict() still round-trip what state[p] shows.
+    saved = optimizer.state_dict()
+    optimizer.state[p][key] = written + 1
+    optimizer.load_state_dict(saved)
+    restored = torch.equal(optimizer.state[p][key], written)
+    return {
+        "before": before,
+        "parts": parts,
+        "len": len(optimizer.state),
+        "unchanged": unchanged,
+        "written_back": written_back,
+        "wrong_size": wrong_size,
+        "step_error": step_error,
+        "restored": restored,
+        "saved_state": saved["state"],
+    }
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_state_is_this_ranks_part_of_torch_optims(stage: int, kind: str) -> None:
+    results = unwrap(run_ranks(2, _read_states, stage, kind))
+    expected = _reference_states(kind, STEPS)
+    for r in results:
+        assert r["before"] == {"len": 0, "first": {}}  # no state before the first step
+        # Parameters torch.optim updated; the never-used one has no state.
+        assert r["len"] == sum(1 for v in expected.values() if v)
+        assert r["unchanged"] and r["written_back"] and r["restored"]
+        assert r["wrong_size"] is not None and "this rank owns" in r["wrong_size"]
+        assert r["saved_state"] == {}
+        assert (r["step_error"] is None) == (kind == "sgd"), r["step_error"]
+    for name, reference in expected.items():
+        if not reference:  # torch.optim never updated it: no state anywhere
+            assert all(r["parts"][name]["values"] == {} for r in results), name
+            continue
+        whole = []
+        covered = 0
+        for r in sorted(results, key=lambda r: r["parts"][name]["range"]):
+            part = r["parts"][name]
+            start, end = part["range"]
+            assert start == covered, (name, part["range"])  # the parts tile the parameter
+            covered = end
+            values = part["values"]
+            assert set(values) == set(reference), (name, set(values), set(reference))
+            if "step" in reference:
+                assert values["step"].dtype == torch.float32
+                assert values["step"].item() == reference["step"].item()
+            whole.append(values)
+        numel = next(iter(v for k, v in reference.items() if k != "step")).numel()
+        assert covered == numel, name
+        for key, value in reference.items():
+            if key == "step":
+                continue
+            joined = torch.cat([v[key] for v in whole])
+            assert joined.dim() == 1
+            diff = (joined - value.flatten()).abs().max().item() if numel else 0.0
+            assert diff <= TOLERANCE, (name, key, diff)
