@@ -449,6 +449,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("checkpoint_rank", &ZeroOptimizer::checkpoint_rank)
       .def("skip_next_step", &ZeroOptimizer::skip_next_step)
+      .def("check_next_step_for_overflow", &ZeroOptimizer::check_next_step_for_overflow)
       .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("retired_work_count",

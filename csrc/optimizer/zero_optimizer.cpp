@@ -53,6 +53,7 @@ void ZeroOptimizer::set_loss_scale(double scale) { impl_->set_loss_scale(scale);
 double ZeroOptimizer::loss_scale() const { return impl_->loss_scale(); }
 bool ZeroOptimizer::last_step_skipped() const { return impl_->last_step_skipped(); }
 void ZeroOptimizer::skip_next_step() { impl_->skip_next_step(); }
+void ZeroOptimizer::check_next_step_for_overflow() { impl_->check_next_step_for_overflow(); }
 int64_t ZeroOptimizer::skipped_steps() const { return impl_->skipped_steps(); }
 void ZeroOptimizer::set_gradient_sync(bool enabled) { impl_->set_gradient_sync(enabled); }
 bool ZeroOptimizer::gradient_sync() const { return impl_->gradient_sync(); }

@@ -87,7 +87,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   // its parameters left the optimizer's storage.
   at::Tensor flags = at::zeros({total + 2}, at::kInt);
   flags[total + 1] = detached ? 1 : 0;
-  if (options_.skip_nonfinite_steps()) {
+  if (options_.skip_nonfinite_steps() || loss_scaling_.overflow_check_requested()) {
     bool finite = true;
     for (size_t g = 0; g < buffers_.size(); ++g) {
       for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {

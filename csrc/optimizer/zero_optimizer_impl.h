@@ -70,6 +70,7 @@ class ZeroOptimizer::Impl {
   double loss_scale() const { return loss_scaling_.loss_scale(); }
   bool last_step_skipped() const { return loss_scaling_.last_step_skipped(); }
   void skip_next_step() { loss_scaling_.request_skip(); }
+  void check_next_step_for_overflow() { loss_scaling_.request_overflow_check(); }
   int64_t skipped_steps() const { return loss_scaling_.skipped_steps(); }
   void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
   bool gradient_sync() const { return gradient_sync_; }

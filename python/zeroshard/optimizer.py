@@ -395,6 +395,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         _LIVE.add(self)  # with its _hook_handles: see _release_at_exit
         self._gradient_handles = tp.attach(self, self._impl, stage)
         self._skip_nonfinite_steps = bool(skip_nonfinite_steps)
+        self._clipped_since_step = False
         if expert_parallel_group is not None:
             if tp.active:
                 raise ValueError(
@@ -500,13 +501,31 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             )
         super().add_param_group(param_group)
 
+    # torch.amp.GradScaler hands itself to step() instead of unscaling .grad,
+    # which stages 2 and 3 have reduced into the shard and freed.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Collective: averages gradients across ranks and updates the parameters."""
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> float | None:
+        """Collective: averages gradients across ranks and updates the parameters.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(optimizer)``
+        (this optimizer unscales its own gradients, as torch's fused ones do):
+        the averaged gradients are divided by the scale, and the step is
+        skipped on every rank when any rank's hold inf/NaN; the scaler then
+        learns that verdict, so every rank's ``scaler.update()`` moves the
+        scale alike. Call ``scaler.step(optimizer)`` on every rank.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scaler is not None:
+            self._unscale_for(grad_scaler)
         self._impl.set_hyperparameters(self._hyperparameters())
         try:
             self._impl.step()
@@ -518,7 +537,42 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             ):
                 raise
             raise dist.DistBackendError(str(error)) from None
+        finally:
+            self._clipped_since_step = False
+        if grad_scaler is not None:
+            self._record_found_inf(grad_scaler)
         return loss
+
+    def _unscale_for(self, scaler: torch.amp.GradScaler) -> None:
+        """Divides the averaged gradients by ``scaler``'s scale and makes the
+        coming step check them for inf/NaN (GradScaler's protocol for an
+        optimizer with ``_step_supports_amp_scaling``)."""
+        state = scaler._per_optimizer_states[id(self)]
+        # After scaler.unscale_(optimizer), .grad (stage 1, no_sync) was
+        # unscaled in place and its check recorded; with nothing recorded the
+        # scaler found no .grad: the gradients are in the shard, still scaled.
+        unscaled = bool(state["found_inf_per_device"])
+        if not unscaled and self._clipped_since_step:
+            raise RuntimeError(
+                "zeroshard.ZeroOptimizer with torch.amp.GradScaler: clip_grad_norm_() ran on "
+                "gradients still multiplied by the loss scale (scaler.unscale_(optimizer) "
+                "cannot reach gradients held in the shard at stages 2 and 3); clip with "
+                "ZeroOptimizer(max_norm=...) instead, which clips inside step() after the unscale"
+            )
+        if not unscaled:
+            scale = scaler.get_scale()
+            self._impl.scale_gradients(torch.tensor(1.0 / scale, dtype=torch.float64))
+        self._impl.check_next_step_for_overflow()
+
+    def _record_found_inf(self, scaler: torch.amp.GradScaler) -> None:
+        """Tells ``scaler`` whether the step was skipped: every rank's verdict
+        (the ranks agreed on it), so every rank's scale moves alike."""
+        scale = scaler._get_scale_async()
+        device = scale.device if scale is not None else torch.device("cpu")
+        found = 1.0 if self._impl.last_step_skipped() else 0.0
+        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+            device: torch.full((), found, dtype=torch.float32, device=device)
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``.grad`` of every parameter and, at stage 2, the gradient shard."""
@@ -533,6 +587,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         between backward and ``step()`` on every rank (at stage 2 ``.grad`` is
         released, so ``torch.nn.utils.clip_grad_norm_`` would see no gradients).
         """
+        self._clipped_since_step = True
         return self._impl.clip_grad_norm(float(max_norm))
 
     @contextlib.contextmanager

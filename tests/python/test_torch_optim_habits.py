@@ -215,3 +215,76 @@ def test_optimizer_state_is_this_ranks_part_of_torch_optims(stage: int, kind: st
             assert joined.dim() == 1
             diff = (joined - value.flatten()).abs().max().item() if numel else 0.0
             assert diff <= TOLERANCE, (name, key, diff)
+
+
+# ---- torch.amp.GradScaler (issue #49 item 5) -------------------------------------
+
+INF_STEP = 2  # rank 1's loss is inf at this step: every rank must skip it
+
+
+def _small_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+
+
+def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(8, 6, generator=g)
+    y = torch.randn(8, 3, generator=g)
+    per = 8 // world_size
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def _scaled_loop(
+    model: nn.Module, optimizer: Any, rank: int, world_size: int, steps: int
+) -> list[float]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales = []
+    for step in range(steps):
+        x, y = _batch(step, rank, world_size)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = nn.functional.mse_loss(out.float(), y)
+        if step == INF_STEP and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _grad_scaler(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    reference = _small_model(0)
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    reference_scales = _scaled_loop(
+        ddp, torch.optim.AdamW(reference.parameters(), lr=1e-2), rank, world_size, STEPS
+    )
+    model = _small_model(rank)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), "adamw", stage=stage, lr=1e-2, module=model, **RELEASED
+    )
+    scales = _scaled_loop(model, optimizer, rank, world_size, STEPS)
+    return {
+        "reference": snapshot(reference),
+        "reference_scales": reference_scales,
+        "params": _full(model, optimizer),
+        "scales": scales,
+        "skipped": optimizer._impl.skipped_steps(),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_scaler_skips_an_inf_step_on_every_rank_as_ddp_does(stage: int) -> None:
+    results = unwrap(run_ranks(2, _grad_scaler, stage))
+    for r in results:
+        # The inf step is skipped (the scale halves once), then it grows back.
+        assert r["scales"] == r["reference_scales"], (r["scales"], r["reference_scales"])
+        assert r["scales"][INF_STEP] == r["scales"][INF_STEP - 1] / 2
+        assert r["skipped"] == 1
+    assert_ranks_match_reference(
+        [r["params"] for r in results], results[0]["reference"], TOLERANCE, f"scaler {stage}"
+    )

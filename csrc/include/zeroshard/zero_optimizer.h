@@ -116,6 +116,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // found their joint norm non-finite), so all skip together. Every rank
   // must call it alike.
   void skip_next_step();
+  // The next step() checks the reduced gradients for inf/NaN and is skipped
+  // on every rank if any rank's hold one, as every step is with
+  // skip_nonfinite_steps: for a loss scaler of the caller's (Python's
+  // torch.amp.GradScaler). Every rank must call it alike.
+  void check_next_step_for_overflow();
   int64_t skipped_steps() const;
 
   // While false (stage 2), backward passes leave gradients accumulating in
