@@ -288,3 +288,39 @@ def test_grad_scaler_skips_an_inf_step_on_every_rank_as_ddp_does(stage: int) -> 
     assert_ranks_match_reference(
         [r["params"] for r in results], results[0]["reference"], TOLERANCE, f"scaler {stage}"
     )
+
+
+# ---- a gradient penalty (issue #49 item 6) -------------------------------------
+
+
+def _penalty_loop(model: nn.Module, optimizer: Any, rank: int, world_size: int) -> None:
+    for step in range(3):
+        x, y = _batch(step, rank, world_size)
+        x.requires_grad_(True)
+        optimizer.zero_grad()
+        out = model(x)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = nn.functional.mse_loss(out, y) + 0.1 * grad_x.pow(2).sum()
+        loss.backward()
+        optimizer.step()
+
+
+def _gradient_penalty(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    reference = _small_model(0)
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    _penalty_loop(ddp, torch.optim.AdamW(reference.parameters(), lr=1e-2), rank, world_size)
+    model = _small_model(rank)
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), "adamw", stage=stage, lr=1e-2, module=model, **RELEASED
+    )
+    _penalty_loop(model, optimizer, rank, world_size)
+    return {"reference": snapshot(reference), "params": _full(model, optimizer)}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_penalty_trains_as_ddp(stage: int) -> None:
+    results = run_ranks(2, _gradient_penalty, stage)
+    unwrap(results)
+    assert_ranks_match_reference(
+        [r["params"] for r in results], results[0]["reference"], TOLERANCE, f"penalty {stage}"
+    )
