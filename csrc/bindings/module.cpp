@@ -255,8 +255,9 @@ NoGilHolder<ZeroOptimizer> make_zero_optimizer(
                                                       std::move(parameter_units)));
 }
 
-py::dict comm_stats_dict(const CommStats& stats) {
+py::dict comm_stats_dict(const CommStats& stats, int64_t world_size) {
   py::dict out;
+  out["wire_bytes"] = stats.wire_bytes(world_size);
   out["all_reduce_bytes"] = stats.all_reduce_bytes;
   out["reduce_scatter_bytes"] = stats.reduce_scatter_bytes;
   out["all_gather_bytes"] = stats.all_gather_bytes;
@@ -500,13 +501,15 @@ PYBIND11_MODULE(_C, m) {
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
       .def("comm_stats",
            [](ZeroOptimizer& self) {
-             return zeroshard::comm_stats_dict(self.communicator().stats());
+             return zeroshard::comm_stats_dict(self.communicator().stats(),
+                                               self.communicator().world_size());
            })
       .def("replica_comm_stats",
            [](ZeroOptimizer& self) {
              zeroshard::Communicator* replicas = self.replica_communicator();
-             return zeroshard::comm_stats_dict(replicas ? replicas->stats()
-                                                        : zeroshard::CommStats{});
+             return zeroshard::comm_stats_dict(
+                 replicas ? replicas->stats() : zeroshard::CommStats{},
+                 replicas ? replicas->world_size() : 1);
            })
       .def("reset_comm_stats",
            [](ZeroOptimizer& self) {
