@@ -288,6 +288,15 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
     } catch (const c10::IndexError& e) {
       PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::DistBackendError& e) {
+      // A failed collective is torch.distributed.DistBackendError wherever
+      // it surfaces: a stage 3 forward hook as much as step().
+      // torch_python's own pointer to it is not exported to extensions.
+      static PyObject* dist_backend_error =
+          py::object(py::module_::import("torch.distributed").attr("DistBackendError"))
+              .release()
+              .ptr();
+      PyErr_SetString(dist_backend_error, e.what_without_backtrace());
     } catch (const c10::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
