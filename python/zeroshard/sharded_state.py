@@ -8,6 +8,7 @@ FSDP2's sharded state does (there a ``DTensor`` shard): see
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -81,8 +82,18 @@ class ShardedOptimizerState(MutableMapping[torch.Tensor, ParameterState]):
     each value is this rank's part (see :class:`ParameterState`)."""
 
     def __init__(self, optimizer: Any) -> None:
-        self._optimizer = optimizer
+        # Weak: the optimizer holds this mapping, and a cycle would keep it
+        # (and its C++ core, whose destructor finishes an asynchronous save)
+        # alive past its last use until the garbage collector runs.
+        self._optimizer_ref = weakref.ref(optimizer)
         self._index: dict[int, tuple[int, int]] = {}
+
+    @property
+    def _optimizer(self) -> Any:
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            raise RuntimeError("the ZeroOptimizer of this optimizer.state is gone")
+        return optimizer
 
     def _where(self, p: Any) -> tuple[int, int] | None:
         groups = self._optimizer.param_groups

@@ -9,6 +9,8 @@ every rank's weights compared.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -215,6 +217,27 @@ def test_optimizer_state_is_this_ranks_part_of_torch_optims(stage: int, kind: st
             assert joined.dim() == 1
             diff = (joined - value.flatten()).abs().max().item() if numel else 0.0
             assert diff <= TOLERANCE, (name, key, diff)
+
+
+def _freed_by_its_last_reference(rank: int, world_size: int) -> bool:
+    gc.disable()
+    try:
+        model = make_model(seed=rank)
+        optimizer = zeroshard.ZeroOptimizer(model.parameters(), "adamw", stage=2)
+        train(model, optimizer, 1, rank, world_size)
+        assert len(optimizer.state[model.fc1.weight]["exp_avg"]) > 0
+        alive = weakref.ref(optimizer)
+        del optimizer
+        return alive() is None
+    finally:
+        gc.enable()
+
+
+def test_optimizer_state_keeps_no_cycle_alive() -> None:
+    # The optimizer must die with its last reference, not at the next
+    # garbage collection: its C++ destructor finishes an asynchronous save
+    # (test_checkpoint's async_exit lost its save to such a cycle).
+    assert unwrap(run_ranks(2, _freed_by_its_last_reference)) == [True, True]
 
 
 # ---- torch.amp.GradScaler (issue #49 item 5) -------------------------------------
