@@ -256,8 +256,9 @@ NoGilHolder<ZeroOptimizer> make_zero_optimizer(
                                                       std::move(parameter_units)));
 }
 
-py::dict comm_stats_dict(const CommStats& stats) {
+py::dict comm_stats_dict(const CommStats& stats, int64_t world_size) {
   py::dict out;
+  out["wire_bytes"] = stats.wire_bytes(world_size);
   out["all_reduce_bytes"] = stats.all_reduce_bytes;
   out["reduce_scatter_bytes"] = stats.reduce_scatter_bytes;
   out["all_gather_bytes"] = stats.all_gather_bytes;
@@ -288,6 +289,15 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
     } catch (const c10::IndexError& e) {
       PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::DistBackendError& e) {
+      // A failed collective is torch.distributed.DistBackendError wherever
+      // it surfaces: a stage 3 forward hook as much as step().
+      // torch_python's own pointer to it is not exported to extensions.
+      static PyObject* dist_backend_error =
+          py::object(py::module_::import("torch.distributed").attr("DistBackendError"))
+              .release()
+              .ptr();
+      PyErr_SetString(dist_backend_error, e.what_without_backtrace());
     } catch (const c10::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
@@ -364,6 +374,19 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def(
+          "parameter_state",
+          [](const ZeroOptimizer& self, size_t group, int64_t index, bool read_states) {
+            const auto part = self.parameter_state(group, index, read_states);
+            py::dict states;
+            for (const auto& [name, tensor] : part.states) {
+              states[py::str(name)] = tensor;
+            }
+            return py::make_tuple(part.param_offset, part.numel, part.steps, states);
+          },
+          py::arg("group"), py::arg("index"), py::arg("read_states") = true)
+      .def("write_parameter_state", &ZeroOptimizer::write_parameter_state, py::arg("group"),
+           py::arg("index"), py::arg("name"), py::arg("values"))
+      .def(
           "load_shard_state",
           [](ZeroOptimizer& self, const std::map<std::string, at::Tensor>& state) {
             zeroshard::ShardState entries(state.begin(), state.end());
@@ -437,6 +460,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("checkpoint_rank", &ZeroOptimizer::checkpoint_rank)
       .def("skip_next_step", &ZeroOptimizer::skip_next_step)
+      .def("check_next_step_for_overflow", &ZeroOptimizer::check_next_step_for_overflow)
       .def("gradient_arrived", &ZeroOptimizer::gradient_arrived, py::arg("group"), py::arg("index"),
            py::call_guard<py::gil_scoped_release>())
       .def("retired_work_count",
@@ -487,13 +511,15 @@ PYBIND11_MODULE(_C, m) {
       .def("flat_parameters", &ZeroOptimizer::flat_parameters, py::arg("group"))
       .def("comm_stats",
            [](ZeroOptimizer& self) {
-             return zeroshard::comm_stats_dict(self.communicator().stats());
+             return zeroshard::comm_stats_dict(self.communicator().stats(),
+                                               self.communicator().world_size());
            })
       .def("replica_comm_stats",
            [](ZeroOptimizer& self) {
              zeroshard::Communicator* replicas = self.replica_communicator();
-             return zeroshard::comm_stats_dict(replicas ? replicas->stats()
-                                                        : zeroshard::CommStats{});
+             return zeroshard::comm_stats_dict(
+                 replicas ? replicas->stats() : zeroshard::CommStats{},
+                 replicas ? replicas->world_size() : 1);
            })
       .def("reset_comm_stats",
            [](ZeroOptimizer& self) {

@@ -76,6 +76,30 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
                                          zero_options_from_config(config), std::move(units));
 }
 
+namespace {
+
+// This rank's collectives so far, the shard group's and (hybrid sharding)
+// the replicas': lifetime counters, so that a user's reset_comm_stats()
+// between two lines cannot make a difference negative.
+struct CommTotals {
+  double wait_seconds = 0;
+  double wire_bytes = 0;  // sent by this rank (CommStats::wire_bytes)
+};
+
+CommTotals comm_totals(ZeroOptimizer& optimizer) {
+  CommTotals totals;
+  for (Communicator* comm : {&optimizer.communicator(), optimizer.replica_communicator()}) {
+    if (comm != nullptr) {
+      const CommStats stats = comm->lifetime_stats();
+      totals.wait_seconds += stats.wait_seconds;
+      totals.wire_bytes += stats.wire_bytes(comm->world_size());
+    }
+  }
+  return totals;
+}
+
+}  // namespace
+
 std::string TelemetryRecord::to_line() const {
   std::ostringstream out;
   out << "step=" << step << " loss=" << std::setprecision(6) << loss << " lr=" << std::scientific
@@ -89,7 +113,9 @@ std::string TelemetryRecord::to_line() const {
     out << " device_peak_MiB=" << device_peak_bytes / 1048576.0;
   }
   if (comm_mib_per_step > 0) {
-    out << " comm_MiB_per_step=" << comm_mib_per_step;
+    // Four significant digits: a small model sends well under 0.01 MiB.
+    out << " comm_MiB_per_step=" << std::defaultfloat << std::setprecision(4) << comm_mib_per_step
+        << std::fixed << std::setprecision(2);
   }
   if (nvme) {
     out << " nvme_read_MiB=" << nvme_read_bytes / 1048576.0
@@ -135,8 +161,9 @@ Engine::Engine(ZeroOptimizer& optimizer, DeepSpeedConfig config)
   }
   apply_schedule();
   // Telemetry counts from here: construction's collectives are not training.
-  wait_s_at_last_line_ = optimizer_.communicator().stats().wait_seconds;
-  comm_bytes_at_last_line_ = optimizer_.communicator().stats().total_bytes();
+  const CommTotals comm = comm_totals(optimizer_);
+  wait_s_at_last_line_ = comm.wait_seconds;
+  comm_bytes_at_last_line_ = comm.wire_bytes;
   // The swap spaces' construction-time writes are not a step's.
   if (const NvmeStateSwapper* states = optimizer_.nvme_swapper()) {
     nvme_read_at_last_line_ += states->bytes_read();
@@ -249,7 +276,7 @@ bool Engine::step() {
 }
 
 void Engine::emit_telemetry() {
-  const CommStats& stats = optimizer_.communicator().stats();
+  const CommTotals comm = comm_totals(optimizer_);
   const auto steps = static_cast<double>(global_steps_ - steps_at_last_line_);
   TelemetryRecord record;
   record.step = global_steps_;
@@ -266,14 +293,13 @@ void Engine::emit_telemetry() {
   record.backward_ms = 1e3 * backward_s_ / steps;
   record.optimizer_ms = 1e3 * optimizer_s_ / steps;
   const double busy = forward_s_ + backward_s_ + optimizer_s_;
-  record.comm_wait_share = busy > 0 ? (stats.wait_seconds - wait_s_at_last_line_) / busy : 0;
+  record.comm_wait_share = busy > 0 ? (comm.wait_seconds - wait_s_at_last_line_) / busy : 0;
   record.model_state_bytes = optimizer_.parameter_bytes() + optimizer_.gradient_bytes() +
                              optimizer_.optimizer_state_bytes();
   record.peak_rss_bytes = peak_rss_bytes();
   record.device_peak_bytes = device_peak_source_ ? device_peak_source_() : -1;
   if (config_.wall_clock_breakdown) {
-    record.comm_mib_per_step =
-        static_cast<double>(stats.total_bytes() - comm_bytes_at_last_line_) / 1048576.0 / steps;
+    record.comm_mib_per_step = (comm.wire_bytes - comm_bytes_at_last_line_) / 1048576.0 / steps;
   }
   int64_t nvme_read = 0;
   int64_t nvme_written = 0;
@@ -309,8 +335,8 @@ void Engine::emit_telemetry() {
   nvme_written_at_last_line_ = nvme_written;
   nvme_wait_at_last_line_ = nvme_wait;
   forward_s_ = backward_s_ = optimizer_s_ = 0;
-  wait_s_at_last_line_ = stats.wait_seconds;
-  comm_bytes_at_last_line_ = stats.total_bytes();
+  wait_s_at_last_line_ = comm.wait_seconds;
+  comm_bytes_at_last_line_ = comm.wire_bytes;
   steps_at_last_line_ = global_steps_;
   if (optimizer_.communicator().rank() == 0) {
     std::printf("[zeroshard] %s\n", record.to_line().c_str());

@@ -21,11 +21,17 @@ class LossScaling {
   // The next step is skipped, whatever its gradients: every rank must ask
   // alike (the flag is this rank's own; see ZeroOptimizer::skip_next_step).
   void request_skip() { skip_requested_ = true; }
+  // The next step checks its gradients for inf/NaN as skip_nonfinite_steps
+  // makes every step do (a caller's loss scaler: torch.amp.GradScaler).
+  // Every rank must ask alike: the check is a collective's input.
+  void request_overflow_check() { overflow_check_requested_ = true; }
+  bool overflow_check_requested() const { return overflow_check_requested_; }
   // Records the step's outcome from whether any rank's gradients overflowed;
   // returns whether it is skipped (an overflow or a requested skip).
   bool record_step(bool overflow) {
     last_step_skipped_ = overflow || skip_requested_;
     skip_requested_ = false;
+    overflow_check_requested_ = false;
     skipped_steps_ += last_step_skipped_ ? 1 : 0;
     return last_step_skipped_;
   }
@@ -35,6 +41,7 @@ class LossScaling {
  private:
   double loss_scale_ = 1.0;
   bool skip_requested_ = false;
+  bool overflow_check_requested_ = false;
   bool last_step_skipped_ = false;
   int64_t skipped_steps_ = 0;
 };

@@ -3,6 +3,7 @@
 #include "zero_optimizer_impl.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/serialize/input-archive.h>
@@ -124,6 +125,87 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
     refresh_parameters_from_master();
   }
   gather_parameters();
+}
+
+// [Note: optimizer.state, this rank's part]
+// Scripts and libraries read torch.optim's optimizer.state[p]["exp_avg"]. A
+// rank holds only the elements of p it owns (one contiguous run of the
+// flattened parameter: a parameter lies in one bucket), so that is what it
+// answers, as FSDP2's sharded state does: 1-D copies of the owned elements,
+// empty where it owns none, with torch.optim's names and its laziness (no
+// state before the parameter's first update). Copies, because an offloaded
+// or NVMe-swapped state has no tensor to view; one parameter's part is read
+// per call, never the whole shard. Writes go through write_parameter_state.
+namespace {
+
+const ShardSegment* owned_segment(const std::vector<ShardSegment>& segments, int64_t index) {
+  for (const ShardSegment& segment : segments) {
+    if (segment.param_index == index) {
+      return &segment;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+ZeroOptimizer::ParameterStatePart ZeroOptimizer::Impl::parameter_state(size_t group, int64_t index,
+                                                                       bool read_states) const {
+  TORCH_CHECK_INDEX(group < buffers_.size(), "parameter group ", group, " of ", buffers_.size());
+  const GroupBuffers& shard = buffers_[group];
+  TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(shard.steps.size()), "parameter ",
+                    index, " of group ", group, ", which has ", shard.steps.size());
+  ZeroOptimizer::ParameterStatePart part;
+  part.steps = shard.steps[index];
+  const ShardSegment* segment = owned_segment(shard.segments, index);
+  if (segment != nullptr) {
+    part.param_offset = segment->param_offset;
+    part.numel = segment->numel;
+  }
+  if (part.steps == 0 || !read_states) {
+    return part;  // torch.optim creates a parameter's state at its first update
+  }
+  const auto& options = param_groups_[group].options();
+  for (OptimizerStateName name : inner_optimizer_states(inner_kind_, options)) {
+    if (!storage().has(group, name)) {
+      continue;
+    }
+    const at::TensorOptions where = fp32_options().device(storage().home_device());
+    part.states.emplace_back(
+        optimizer_state_name(name),
+        part.numel == 0 ? at::empty({0}, where)
+                        : storage().read(group, name, segment->shard_offset, part.numel, where));
+  }
+  return part;
+}
+
+void ZeroOptimizer::Impl::write_parameter_state(size_t group, int64_t index,
+                                                const std::string& name, const at::Tensor& values) {
+  const ZeroOptimizer::ParameterStatePart part = parameter_state(group, index, true);
+  bool known = false;
+  std::string names;
+  for (const auto& [present, tensor] : part.states) {
+    known = known || present == name;
+    names += (names.empty() ? "" : ", ") + present;
+  }
+  TORCH_CHECK_VALUE(known, "cannot write optimizer state '", name, "' of parameter ",
+                    param_index_.name(group, static_cast<size_t>(index)), ": it holds ",
+                    names.empty() ? std::string("no state yet (before its first step)") : names);
+  TORCH_CHECK_VALUE(values.numel() == part.numel, "optimizer state '", name, "' of parameter ",
+                    param_index_.name(group, static_cast<size_t>(index)), ": this rank owns ",
+                    part.numel,
+                    " of its elements (optimizer.state[p] holds this rank's part), got ",
+                    values.numel(), " values");
+  if (part.numel == 0) {
+    return;
+  }
+  const ShardSegment* segment = owned_segment(buffers_[group].segments, index);
+  at::NoGradGuard no_grad;
+  for (OptimizerStateName state : kAllOptimizerStates) {
+    if (name == optimizer_state_name(state)) {
+      storage().write(group, state, segment->shard_offset, values.detach().reshape({-1}));
+    }
+  }
 }
 
 void ZeroOptimizer::Impl::save(torch::serialize::OutputArchive& archive) const {

@@ -53,6 +53,7 @@ void ZeroOptimizer::set_loss_scale(double scale) { impl_->set_loss_scale(scale);
 double ZeroOptimizer::loss_scale() const { return impl_->loss_scale(); }
 bool ZeroOptimizer::last_step_skipped() const { return impl_->last_step_skipped(); }
 void ZeroOptimizer::skip_next_step() { impl_->skip_next_step(); }
+void ZeroOptimizer::check_next_step_for_overflow() { impl_->check_next_step_for_overflow(); }
 int64_t ZeroOptimizer::skipped_steps() const { return impl_->skipped_steps(); }
 void ZeroOptimizer::set_gradient_sync(bool enabled) { impl_->set_gradient_sync(enabled); }
 bool ZeroOptimizer::gradient_sync() const { return impl_->gradient_sync(); }
@@ -103,6 +104,14 @@ const NvmeParameterSwapper* ZeroOptimizer::parameter_swapper() const {
 }
 ShardState ZeroOptimizer::shard_state() const { return impl_->shard_state(); }
 void ZeroOptimizer::load_shard_state(const ShardState& state) { impl_->load_shard_state(state); }
+ZeroOptimizer::ParameterStatePart ZeroOptimizer::parameter_state(size_t group, int64_t index,
+                                                                 bool read_states) const {
+  return impl_->parameter_state(group, index, read_states);
+}
+void ZeroOptimizer::write_parameter_state(size_t group, int64_t index, const std::string& name,
+                                          const at::Tensor& values) {
+  impl_->write_parameter_state(group, index, name, values);
+}
 void ZeroOptimizer::set_parameter_names(
     const std::vector<std::pair<std::string, at::Tensor>>& named) {
   impl_->set_parameter_names(named);

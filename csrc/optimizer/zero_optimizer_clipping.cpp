@@ -99,7 +99,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   const int32_t hyperparameters = hyperparameter_hash();
   data[total + 2] = hyperparameters;
   data[total + 3] = ~hyperparameters;
-  if (options_.skip_nonfinite_steps()) {
+  if (options_.skip_nonfinite_steps() || loss_scaling_.overflow_check_requested()) {
     // Accumulated on the device, chunk by chunk, and read once: a read per
     // chunk would wait for the device once per chunk.
     at::Tensor nonfinite;

@@ -71,6 +71,7 @@ class ZeroOptimizer::Impl {
   double loss_scale() const { return loss_scaling_.loss_scale(); }
   bool last_step_skipped() const { return loss_scaling_.last_step_skipped(); }
   void skip_next_step() { loss_scaling_.request_skip(); }
+  void check_next_step_for_overflow() { loss_scaling_.request_overflow_check(); }
   int64_t skipped_steps() const { return loss_scaling_.skipped_steps(); }
   void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
   bool gradient_sync() const { return gradient_sync_; }
@@ -108,6 +109,10 @@ class ZeroOptimizer::Impl {
   const NvmeParameterSwapper* parameter_swapper() const { return param_swapper_.get(); }
   ShardState shard_state() const;
   void load_shard_state(const ShardState& state);
+  ZeroOptimizer::ParameterStatePart parameter_state(size_t group, int64_t index,
+                                                    bool read_states) const;
+  void write_parameter_state(size_t group, int64_t index, const std::string& name,
+                             const at::Tensor& values);
   void set_parameter_names(const std::vector<std::pair<std::string, at::Tensor>>& named) {
     param_index_.set_names(param_groups_, named);
   }

@@ -134,13 +134,15 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
     if (alive.expired()) {
       return;
     }
+    // Autograd runs a backward with grad mode on only with create_graph.
+    const bool create_graph = at::GradMode::is_enabled();
     std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
     at::NoGradGuard no_grad;
     if (hooks_) {
       hooks_->track_current_backward();
     }
     follow_requires_grad(/*outside_backward=*/false);
-    gatherer_->pre_backward(unit);
+    gatherer_->pre_backward(unit, create_graph);
   });
 }
 

@@ -130,7 +130,8 @@ bool ParameterGatherer::needed_soon(size_t g, size_t b) const {
 
 void ParameterGatherer::maybe_release(size_t g, size_t b) {
   const BucketState& bucket = state(g, b);
-  if (bucket.forward_refs == 0 && !bucket.backward_hold && bucket.pins == 0 && !needed_soon(g, b)) {
+  if (bucket.forward_refs == 0 && !bucket.backward_hold && !bucket.graph_hold && bucket.pins == 0 &&
+      !needed_soon(g, b)) {
     release(g, b);
   }
 }
@@ -354,7 +355,8 @@ void ParameterGatherer::make_room(int64_t unit) {
   for (size_t g = 0; g < buckets_.size(); ++g) {
     for (size_t b = 0; b < buckets_[g].size(); ++b) {
       const BucketState& bucket = buckets_[g][b];
-      const bool in_use = bucket.forward_refs > 0 || bucket.backward_hold || bucket.pins > 0;
+      const bool in_use =
+          bucket.forward_refs > 0 || bucket.backward_hold || bucket.graph_hold || bucket.pins > 0;
       if (!in_use && std::find(mine.begin(), mine.end(), BucketId{g, b}) == mine.end()) {
         release(g, b);
       }
@@ -399,7 +401,12 @@ void ParameterGatherer::post_forward(int64_t unit, bool in_backward) {
   }
 }
 
-void ParameterGatherer::pre_backward(int64_t unit) {
+void ParameterGatherer::pre_backward(int64_t unit, bool create_graph) {
+  if (create_graph) {
+    for (const auto& [g, b] : unit_buckets_.at(unit)) {
+      state(g, b).graph_hold = true;
+    }
+  }
   // Every output of a unit's call fires this hook; only the first one of a
   // backward pass counts as a use.
   bool already_held = true;
@@ -485,6 +492,7 @@ void ParameterGatherer::after_step() {
     for (size_t b = 0; b < buckets_[g].size(); ++b) {
       BucketState& bucket = buckets_[g][b];
       bucket.backward_hold = false;
+      bucket.graph_hold = false;
       bucket.pending.wait();
       if (bucket.persistent || bucket.pins > 0 || bucket.forward_refs > 0) {
         // Still in use: refresh its values from the updated shards.

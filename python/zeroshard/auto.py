@@ -1,7 +1,11 @@
 """``"auto"`` in a DeepSpeed config: the stage and offload devices chosen from what is free.
 
 The decision is the C++ core's (``zeroshard::resolve_auto_configuration``:
-the estimator's cheapest configuration that fits); this module measures what
+the estimator's cheapest configuration whose ``device_bytes`` per rank fit, the
+whole peak on the device: parameters, gradients and their buckets and
+staging buffers, optimizer states, stage 3's gathered units, the step's fp32
+transient, activations when counted; and whose host and NVMe bytes fit the
+node's); this module measures what
 this rank has free (device memory, the node's RAM, the disk under the offload
 sections' ``nvme_path``), agrees on the minimum over the ranks so that every
 rank decides alike, and prints the decision on rank 0.

@@ -57,10 +57,17 @@ class OptimizerCheckpointing:
     _tensor_parallel: Any
     _param_names: list[tuple[str, torch.Tensor]] | None
     param_groups: list[dict[str, Any]]
+    state: Any
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard plus the hyper-parameters; save one file per rank."""
-        base = super().state_dict()
+        # torch.optim's state_dict would read every parameter's state
+        # (optimizer.state); the shard below holds it once.
+        state, self.state = self.state, {}
+        try:
+            base = super().state_dict()
+        finally:
+            self.state = state
         return {
             "state": {},
             "param_groups": base["param_groups"],

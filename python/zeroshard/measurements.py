@@ -93,16 +93,21 @@ class OptimizerMeasurements:
         """Restarts peak tracking of the gradient staging buffers."""
         self._impl.reset_peak_staging_bytes()
 
-    def comm_stats(self) -> dict[str, int]:
-        """Bytes handed to collectives since construction or the last reset."""
+    def comm_stats(self) -> dict[str, float]:
+        """Collectives since construction or the last :meth:`reset_comm_stats`:
+        ``*_bytes`` and ``total_bytes`` count whole buffers (a reduce-scatter's
+        input, an all-gather's output); ``wire_bytes`` what this rank sends, by
+        the ring algorithms' count (B(N-1)/N of a buffer of B bytes on N ranks,
+        twice that for an all-reduce); ``calls``; ``wait_seconds`` blocked."""
         return dict(self._impl.comm_stats())
 
-    def replica_comm_stats(self) -> dict[str, int]:
+    def replica_comm_stats(self) -> dict[str, float]:
         """Hybrid sharding: bytes handed to collectives across replicas (zeros without)."""
         return dict(self._impl.replica_comm_stats())
 
     def reset_comm_stats(self) -> None:
-        """Zeroes the collective byte counters."""
+        """Zeroes what :meth:`comm_stats` reports. The engine's telemetry keeps
+        counters of its own: a reset changes nothing in it."""
         self._impl.reset_comm_stats()
 
     def host_sync_counts(self) -> dict[str, int]:

@@ -25,6 +25,7 @@ from zeroshard.host_channel import add_host_backend
 from zeroshard.measurements import OptimizerMeasurements
 from zeroshard.offload import aio_options, offload_options
 from zeroshard.sharded_parameter import adopt_sharded_parameters
+from zeroshard.sharded_state import ShardedOptimizerState, state_range
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
@@ -146,12 +147,38 @@ def _checkpoint_prefix() -> str:
     return f"zeroshard/checkpoints/optimizer{next(_optimizers_built)}"
 
 
+def _group_param_names(groups: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]] | None:
+    """The names torch.optim kept from ``(name, parameter)`` input
+    (``model.named_parameters()``) in each group's ``"param_names"``; None
+    when the parameters came unnamed (torch.optim refuses a mix)."""
+    if not groups or "param_names" not in groups[0]:
+        return None
+    named = [
+        (name, p)
+        for group in groups
+        for name, p in zip(group["param_names"], group["params"], strict=True)
+    ]
+    names = [name for name, _ in named]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"parameter name(s) {repeated[:5]} given to more than one parameter; "
+            "checkpoints store states by name: give each parameter its own name"
+        )
+    return named
+
+
 @_document_scalar_options
 class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.Optimizer):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
-        params: parameters or parameter-group dicts, as for any torch.optim optimizer.
+        params: parameters or parameter-group dicts, as for any torch.optim
+            optimizer, named or not: ``model.named_parameters()`` (or groups
+            of ``(name, parameter)`` pairs) name the parameters in
+            checkpoints, ``full_state_dict()`` and messages, as ``module=``
+            does; ``param_names=`` or ``module=``, when given, name them
+            instead.
         optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
         <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
@@ -279,7 +306,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         super().__init__(params, defaults)
         release_pinned_default_groups()  # see [Note: the default group pinned by default arguments]
         for group in self.param_groups:
-            extra = set(group) - set(_DEFAULTS[kind]) - {"params", "initial_lr"}
+            # "param_names": torch.optim's record of named_parameters() input.
+            extra = set(group) - set(_DEFAULTS[kind]) - {"params", "param_names", "initial_lr"}
             if extra:
                 raise ValueError(
                     f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
@@ -355,14 +383,17 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             if param_names is not None
             else list(module.named_parameters(remove_duplicate=False))
             if module is not None
-            else None
+            else _group_param_names(self.param_groups)
         )
         if self._param_names is not None:
             self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
+        # torch.optim's optimizer.state[p]: this rank's part (sharded_state.py).
+        self.state = ShardedOptimizerState(self)  # type: ignore[assignment]
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         _LIVE.add(self)  # with its _hook_handles: see _release_at_exit
         self._gradient_handles = tp.attach(self, self._impl, stage)
         self._skip_nonfinite_steps = bool(skip_nonfinite_steps)
+        self._clipped_since_step = False
         if expert_parallel_group is not None:
             if tp.active:
                 raise ValueError(
@@ -447,6 +478,16 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         tp = self._tensor_parallel
         self._impl.set_parameter_names([(name, tp.local(p)) for name, p in self._param_names])
 
+    def state_range(self, p: torch.Tensor) -> tuple[int, int]:
+        """``[start, end)``: the elements of ``p.flatten()`` whose optimizer state
+        this rank holds, those ``optimizer.state[p]`` returns (``start == end``
+        where it owns none). For a tensor-parallel (DTensor) parameter, of its
+        local tensor. Local: no collective."""
+        where = self.state._where(p)
+        if where is None:
+            raise KeyError("state_range(p): p is not a parameter of this ZeroOptimizer")
+        return state_range(self._impl, where)
+
     def _plan_units(
         self,
         module: torch.nn.Module,
@@ -488,13 +529,31 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             )
         super().add_param_group(param_group)
 
+    # torch.amp.GradScaler hands itself to step() instead of unscaling .grad,
+    # which stages 2 and 3 have reduced into the shard and freed.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Collective: averages gradients across ranks and updates the parameters."""
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> float | None:
+        """Collective: averages gradients across ranks and updates the parameters.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(optimizer)``
+        (this optimizer unscales its own gradients, as torch's fused ones do):
+        the averaged gradients are divided by the scale, and the step is
+        skipped on every rank when any rank's hold inf/NaN; the scaler then
+        learns that verdict, so every rank's ``scaler.update()`` moves the
+        scale alike. Call ``scaler.step(optimizer)`` on every rank.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scaler is not None:
+            self._unscale_for(grad_scaler)
         self._impl.set_hyperparameters(self._hyperparameters())
         try:
             self._impl.step()
@@ -506,7 +565,42 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             ):
                 raise
             raise dist.DistBackendError(str(error)) from None
+        finally:
+            self._clipped_since_step = False
+        if grad_scaler is not None:
+            self._record_found_inf(grad_scaler)
         return loss
+
+    def _unscale_for(self, scaler: torch.amp.GradScaler) -> None:
+        """Divides the averaged gradients by ``scaler``'s scale and makes the
+        coming step check them for inf/NaN (GradScaler's protocol for an
+        optimizer with ``_step_supports_amp_scaling``)."""
+        state = scaler._per_optimizer_states[id(self)]
+        # After scaler.unscale_(optimizer), .grad (stage 1, no_sync) was
+        # unscaled in place and its check recorded; with nothing recorded the
+        # scaler found no .grad: the gradients are in the shard, still scaled.
+        unscaled = bool(state["found_inf_per_device"])
+        if not unscaled and self._clipped_since_step:
+            raise RuntimeError(
+                "zeroshard.ZeroOptimizer with torch.amp.GradScaler: clip_grad_norm_() ran on "
+                "gradients still multiplied by the loss scale (scaler.unscale_(optimizer) "
+                "cannot reach gradients held in the shard at stages 2 and 3); clip with "
+                "ZeroOptimizer(max_norm=...) instead, which clips inside step() after the unscale"
+            )
+        if not unscaled:
+            scale = scaler.get_scale()
+            self._impl.scale_gradients(torch.tensor(1.0 / scale, dtype=torch.float64))
+        self._impl.check_next_step_for_overflow()
+
+    def _record_found_inf(self, scaler: torch.amp.GradScaler) -> None:
+        """Tells ``scaler`` whether the step was skipped: every rank's verdict
+        (the ranks agreed on it), so every rank's scale moves alike."""
+        scale = scaler._get_scale_async()
+        device = scale.device if scale is not None else torch.device("cpu")
+        found = 1.0 if self._impl.last_step_skipped() else 0.0
+        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+            device: torch.full((), found, dtype=torch.float32, device=device)
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``.grad`` of every parameter and, at stage 2, the gradient shard."""
@@ -521,6 +615,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         between backward and ``step()`` on every rank (at stage 2 ``.grad`` is
         released, so ``torch.nn.utils.clip_grad_norm_`` would see no gradients).
         """
+        self._clipped_since_step = True
         return self._impl.clip_grad_norm(float(max_norm))
 
     @contextlib.contextmanager

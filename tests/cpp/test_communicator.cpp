@@ -1,7 +1,7 @@
 // Communicator: a Work the backend's worker thread still references when
 // wait() returns is destroyed on the caller's thread, never on the worker's
 // (see [Note: Work dies on the caller's thread] in communicator.h); the
-// all-gather done as broadcasts on Gloo.
+// all-gather done as broadcasts on Gloo; the byte counts.
 #include "zeroshard/communicator.h"
 
 #ifdef ZEROSHARD_WITH_GLOO
@@ -179,7 +179,47 @@ TEST(CommunicatorTest, HostDataCostsNoHostSyncOverAHostChannel) {
   }
 }
 
+// What the engine's telemetry reads: a user's reset_stats() zeroes stats()
+// and leaves lifetime_stats(), so a telemetry line's difference of two
+// lifetime counts cannot go negative.
+TEST(CommunicatorTest, ResetStatsLeavesLifetimeStats) {
+  constexpr int kWorld = 2;
+  std::vector<std::string> failures(kWorld);
+  auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Communicator comm(pg);
+    at::Tensor tensor = at::ones({4});
+    comm.all_reduce_sum(tensor, "first");
+    comm.reset_stats();
+    comm.all_reduce_sum(tensor, "second");
+    if (comm.stats().all_reduce_bytes != 16 || comm.stats().calls != 1) {
+      failures[rank] += "stats() after the reset counts " +
+                        std::to_string(comm.stats().all_reduce_bytes) + " bytes; ";
+    }
+    if (comm.lifetime_stats().all_reduce_bytes != 32 || comm.lifetime_stats().calls != 2) {
+      failures[rank] += "lifetime_stats() counts " +
+                        std::to_string(comm.lifetime_stats().all_reduce_bytes) + " bytes; ";
+    }
+  });
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(failures[rank], "") << "rank " << rank;
+  }
+}
+
 #endif  // ZEROSHARD_WITH_GLOO
+
+// A rank sends B(N-1)/N of a reduce-scatter, all-gather or broadcast of B
+// bytes and twice that of an all-reduce (the ring algorithms' count).
+TEST(CommStatsTest, WireBytesAreTheRingCount) {
+  CommStats stats;
+  stats.all_reduce_bytes = 16;
+  stats.reduce_scatter_bytes = 400;
+  stats.all_gather_bytes = 400;
+  stats.broadcast_bytes = 40;
+  EXPECT_DOUBLE_EQ(stats.wire_bytes(4), 0.75 * (2 * 16 + 400 + 400 + 40));
+  EXPECT_DOUBLE_EQ(stats.wire_bytes(2), 0.5 * (2 * 16 + 400 + 400 + 40));
+  EXPECT_DOUBLE_EQ(stats.wire_bytes(1), 0.0);
+}
 
 }  // namespace
 }  // namespace zeroshard

@@ -396,6 +396,64 @@ def test_telemetry_lines_parse_and_agree_with_tracked_bytes(tmp_path) -> None:
     assert results[0]["lrs"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
+def _telemetry_after_resets(rank: int, world_size: int) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    cfg = config(torch.float32, 2, steps_per_print=2, wall_clock_breakdown=True)
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=cfg)
+    optimizer.reset_comm_stats()  # construction's broadcast is before telemetry's start
+    per_step = []
+    records = []
+    for step in range(6):
+        for micro in range(ACCUMULATION):
+            tokens = batch(step, micro, rank, world_size)
+            engine.backward(loss_of(engine(tokens), tokens))
+            engine.step()
+        per_step.append(optimizer.comm_stats())
+        # A user's reset (a public, documented call) after every step: the
+        # telemetry keeps counters of its own and must not notice.
+        optimizer.reset_comm_stats()
+        if step % 2 == 1:
+            records.append(engine.last_telemetry())
+    return {
+        "records": records,
+        "per_step": per_step,
+        "numel": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def test_telemetry_reports_bytes_sent_and_ignores_a_users_counter_reset() -> None:
+    world_size = 2
+    results = unwrap(run_ranks(world_size, _telemetry_after_resets))
+    share = (world_size - 1) / world_size
+    for r in results:
+        for stats in r["per_step"]:
+            # Whole buffers, and what a rank sends of them by the ring count.
+            assert stats["wire_bytes"] == pytest.approx(
+                share
+                * (
+                    2 * stats["all_reduce_bytes"]
+                    + stats["reduce_scatter_bytes"]
+                    + stats["all_gather_bytes"]
+                    + stats["broadcast_bytes"]
+                ),
+                rel=1e-12,
+            )
+            # Stage 2, fp32: a reduce-scatter of the 4-byte gradients per
+            # micro-batch and one all-gather of the parameters a step, each
+            # sending 4Ψ(N-1)/N (padding to the world size adds a little; the
+            # step's flags all-reduce comes on top).
+            formula = (ACCUMULATION + 1) * 4 * r["numel"] * share
+            sent = share * (stats["reduce_scatter_bytes"] + stats["all_gather_bytes"])
+            assert formula <= sent <= 1.05 * formula, (sent, formula)
+        for i, record in enumerate(r["records"]):
+            print(record["line"])
+            window = r["per_step"][2 * i : 2 * i + 2]
+            sent = sum(stats["wire_bytes"] for stats in window) / 2
+            assert record["comm_mib_per_step"] * 1048576 == pytest.approx(sent, rel=1e-9)
+            assert 0.0 <= record["comm_wait_share"] <= 1.0, record
+            assert "comm_MiB_per_step=" in record["line"]
+
+
 def _bf16_options(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, extra in (

@@ -158,6 +158,28 @@ def test_tensor_parallel_groups_left_at_exit_are_torchs_not_zeroshards() -> None
         assert with_zeroshard == baseline
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_rank_that_raises_gives_the_others_dist_backend_error(stage: int) -> None:
+    # Rank 2 of 3 raises (a script's own error) at step 2 and exits; the
+    # others learn of it in full_state_dict()'s collectives. That is
+    # torch.distributed.DistBackendError, as in step() and as
+    # docs/python-api.md says (it was RuntimeError everywhere but step()).
+    results = _run_ranks(
+        ["fault", "raise", str(stage)],
+        world=3,
+        extra_env={"PG_TIMEOUT_SECONDS": str(PG_TIMEOUT_SECONDS)},
+    )
+    for rank, (code, out) in enumerate(results):
+        assert code == 3, f"rank {rank} exited with {code} (3: raised as expected):\n{out}"
+        error = last_json(out)["error"]
+        print(f"stage {stage} rank {rank}: {error[:200]}")
+        if rank == 2:
+            assert error == "ValueError: this rank's own error", error
+        else:
+            assert error.startswith("DistBackendError: "), error
+            assert "rank 2 is lost" in error, error
+
+
 PG_TIMEOUT_SECONDS = 5.0
 REPORT_SECONDS = 3.0  # ZeroOptimizer's failure_report_seconds default
 
@@ -182,6 +204,9 @@ def test_lost_rank_is_named_by_every_other_rank(kind: str, stage: int) -> None:
         print(f"{kind} stage {stage} rank {rank}: {report['seconds']:.1f} s: {error[:240]}")
         assert "rank 2 is lost" in error, error
         assert "failed at step 2" in error, error
+        # One kind of exception for one failure, at every stage (a stage 3
+        # survivor may learn of it in a forward hook, not in step()).
+        assert error.startswith("DistBackendError: "), error
         detection = 0.5 if kind == "kill" else PG_TIMEOUT_SECONDS
         # Stage 3: a rank blocked on a dead neighbour may only learn of the
         # failure from the next rank's own timeout or exit.

@@ -55,6 +55,24 @@ struct CommStats {
   int64_t total_bytes() const {
     return all_reduce_bytes + reduce_scatter_bytes + all_gather_bytes + broadcast_bytes;
   }
+  // The *_bytes above are whole buffers (a reduce-scatter's input, an
+  // all-gather's output); a rank sends less. By the ring algorithms' count, of
+  // a reduce-scatter, all-gather or broadcast of B bytes each of N ranks sends
+  // B(N-1)/N, of an all-reduce 2B(N-1)/N: what telemetry reports as traffic.
+  double wire_bytes(int64_t world_size) const {
+    const double share =
+        world_size > 1 ? static_cast<double>(world_size - 1) / static_cast<double>(world_size) : 0;
+    return share * static_cast<double>(2 * all_reduce_bytes + reduce_scatter_bytes +
+                                       all_gather_bytes + broadcast_bytes);
+  }
+  void add(const CommStats& other) {
+    all_reduce_bytes += other.all_reduce_bytes;
+    reduce_scatter_bytes += other.reduce_scatter_bytes;
+    all_gather_bytes += other.all_gather_bytes;
+    broadcast_bytes += other.broadcast_bytes;
+    calls += other.calls;
+    wait_seconds += other.wait_seconds;
+  }
 };
 
 // One entry of the optional event log.
@@ -235,8 +253,19 @@ class Communicator {
   void set_step(int64_t step) { step_ = step; }
   int64_t step() const { return step_; }
 
+  // Since construction or the last reset_stats() (the user's counters).
   const CommStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = CommStats(); }
+  void reset_stats() {
+    before_reset_.add(stats_);
+    stats_ = CommStats();
+  }
+  // Since construction, whatever reset_stats() did: what the engine's
+  // telemetry differences, so that a user's reset cannot skew it.
+  CommStats lifetime_stats() const {
+    CommStats all = before_reset_;
+    all.add(stats_);
+    return all;
+  }
 
   // The event log records launches and waits in order while enabled.
   void set_event_log_enabled(bool enabled) { log_enabled_ = enabled; }
@@ -289,6 +318,7 @@ class Communicator {
   int64_t rank_;
   int64_t world_size_;
   CommStats stats_;
+  CommStats before_reset_;  // what reset_stats() cleared, for lifetime_stats()
   bool log_enabled_ = false;
   std::vector<CommEvent> log_;
   bool order_check_ = false;

@@ -56,7 +56,7 @@ struct TelemetryRecord {
   int64_t model_state_bytes = 0;   // parameters + gradients + optimizer state held now
   int64_t peak_rss_bytes = 0;      // process peak resident set (VmHWM)
   int64_t device_peak_bytes = -1;  // e.g. CUDA max allocated, when a source is set
-  double comm_mib_per_step = 0;    // wall_clock_breakdown only
+  double comm_mib_per_step = 0;    // sent by this rank (wall_clock_breakdown only)
   // NVMe offload (optimizer state and parameter swap spaces together), per
   // step: bytes read and written, the share of forward + backward + optimizer
   // time spent waiting for I/O, and the bytes moved per second of that time.
@@ -163,7 +163,7 @@ class Engine {
   std::chrono::steady_clock::time_point forward_start_;
   double forward_s_ = 0, backward_s_ = 0, optimizer_s_ = 0;
   double wait_s_at_last_line_ = 0;
-  int64_t comm_bytes_at_last_line_ = 0;
+  double comm_bytes_at_last_line_ = 0;  // sent by this rank (CommStats::wire_bytes)
   // NVMe totals (read, written, wait) at the last line; see TelemetryRecord.
   int64_t nvme_read_at_last_line_ = 0;
   int64_t nvme_written_at_last_line_ = 0;

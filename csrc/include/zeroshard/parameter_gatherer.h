@@ -98,7 +98,11 @@ class ParameterGatherer {
   // the post-forward hook.
   void pre_forward(int64_t unit, bool in_backward = false);
   void post_forward(int64_t unit, bool in_backward = false);
-  void pre_backward(int64_t unit);
+  // create_graph: a backward that builds a graph (torch.autograd.grad(...,
+  // create_graph=True), a gradient penalty): the graph it builds uses the
+  // unit's parameters in a later backward, which no hook of the unit
+  // announces, so the unit stays gathered until after_step().
+  void pre_backward(int64_t unit, bool create_graph = false);
   void bucket_complete(size_t group, size_t bucket);
   void backward_finished();
 
@@ -152,6 +156,7 @@ class ParameterGatherer {
     PendingCollective pending;  // all-gather in flight
     int64_t forward_refs = 0;
     bool backward_hold = false;
+    bool graph_hold = false;  // see pre_backward's create_graph
     int64_t pins = 0;
     bool initialized = false;  // holds real values (see pin_for_initialization)
   };

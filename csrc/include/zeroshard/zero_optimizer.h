@@ -118,6 +118,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   // found their joint norm non-finite), so all skip together. Every rank
   // must call it alike.
   void skip_next_step();
+  // The next step() checks the reduced gradients for inf/NaN and is skipped
+  // on every rank if any rank's hold one, as every step is with
+  // skip_nonfinite_steps: for a loss scaler of the caller's (Python's
+  // torch.amp.GradScaler). Every rank must call it alike.
+  void check_next_step_for_overflow();
   int64_t skipped_steps() const;
 
   // While false (stage 2), backward passes leave gradients accumulating in
@@ -212,6 +217,23 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   const NvmeGradientSwapper* gradient_swapper() const;
   // With offload_param on NVMe (stage 3): the parameter swap space; else null.
   const NvmeParameterSwapper* parameter_swapper() const;
+
+  // torch.optim's optimizer.state[p] for parameter `index` of group `group`:
+  // this rank's part of it. See [Note: optimizer.state, this rank's part] in
+  // shard_state.cpp.
+  struct ParameterStatePart {
+    int64_t param_offset = 0;  // first owned element of the flattened parameter
+    int64_t numel = 0;         // owned elements; 0 where this rank owns none
+    int64_t steps = 0;         // updates applied to the parameter so far
+    ShardState states;         // torch.optim's names: fp32 copies of the owned elements
+  };
+  // With read_states false, only where the part lies and the steps.
+  ParameterStatePart parameter_state(size_t group, int64_t index, bool read_states = true) const;
+  // Writes `values` (numel of the owned part, any dtype and device) into the
+  // state `name` of this rank's part of the parameter: the core's state,
+  // used by the next step(). Local: no collective.
+  void write_parameter_state(size_t group, int64_t index, const std::string& name,
+                             const at::Tensor& values);
 
   // This rank's shard of the optimizer state plus the layout it was made
   // with. Load it back with load_shard_state at the same world size.

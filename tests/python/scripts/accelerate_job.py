@@ -15,6 +15,7 @@ writes OUT/result.json (norms, wrapped type) and OUT/params.pt.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -101,6 +102,14 @@ def main() -> None:
         torch.save(state, os.path.join(opts.out, "params.pt"))
         with open(os.path.join(opts.out, "result.json"), "w") as f:
             json.dump({"norms": norms, "wrapped": type(model).__name__}, f)
+    # end_training() destroys the process group; what holds it (the DDP
+    # wrapper, the optimizer, at stage 3 the model's hooks) goes first, so
+    # that Gloo's threads are joined then and not at interpreter exit (see
+    # hf_trainer_job.py).
+    accelerator.free_memory()
+    accelerator._custom_objects.clear()  # the scheduler, registered for checkpointing
+    del model, optimizer, scheduler, loader, batches
+    gc.collect()
     accelerator.end_training()
 
 

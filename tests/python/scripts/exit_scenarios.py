@@ -111,6 +111,12 @@ def fault(kind: str, stage: int) -> None:
         for step in range(5):
             optimizer.zero_grad()
             loss = model(torch.randn(4, 8)).square().mean()
+            if step == 2 and kind == "raise":
+                # The last rank's own error: it exits. The others meet the
+                # failure in a collective outside step(): full_state_dict().
+                if rank == world - 1:
+                    raise ValueError("this rank's own error")
+                optimizer.full_state_dict()
             if step == 2 and rank == world - 1:
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)

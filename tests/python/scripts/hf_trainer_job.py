@@ -15,6 +15,7 @@ OUT/params.pt (the full final weights).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -155,6 +156,16 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(os.path.join(opts.out, "generated.json"), "w") as f:
                 json.dump(counts, f)
+    # End as docs/python-api.md's "Shutting down" says: drop what holds the
+    # process group (the trainer, accelerate's DDP wrapper, the optimizer; at
+    # stage 3 the model's hooks), then destroy it, so that Gloo's threads are
+    # joined now. The plain-Trainer reference left its group to interpreter
+    # exit and once aborted there on one rank ("terminate called without an
+    # active exception").
+    del trainer, model, common
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
