@@ -220,15 +220,15 @@ void GradientBuckets::launch_ready() {
 // arrive); a bucket whose gradient comes late (a tied input embedding, a
 // parameter used early in forward) then holds back every bucket after it. So
 // after the first eager round the buckets launch in the order they completed
-// in it, rank 0's order broadcast to all (DDP rebuilds its buckets the same
+// in it, rank 0's order sent to all (DDP rebuilds its buckets the same
 // way, from the first iteration's arrival order). Buckets that never
 // completed (unused parameters) go last, in layout order.
 void GradientBuckets::finish_round() {
   rounds_since_reset_ += 1;
   shard_holds_round_ = true;
-  // Every rank adopts (a broadcast), whatever it saw: a rank whose buckets
+  // Every rank adopts (an exchange), whatever it saw: a rank whose buckets
   // all lacked a gradient (a parameter only other ranks used) completed none
-  // of them, and skipping the broadcast there left the others waiting in it.
+  // of them, and skipping the exchange there left the others waiting in it.
   if (launch_eagerly_ && !order_adopted_) {
     adopt_completion_order();
   }
