@@ -25,6 +25,7 @@ add_library(zeroshard_python MODULE
   csrc/bindings/module.cpp
   csrc/bindings/module_checkpoint.cpp
   csrc/bindings/module_engine.cpp
+  csrc/bindings/options_from_python.cpp
   csrc/bindings/module_estimator.cpp
   csrc/bindings/module_hooks.cpp
   csrc/bindings/module_host_kernel.cpp

@@ -1,0 +1,24 @@
+// Python's forms of the options (dicts of plain values, keys and types
+// checked by the Python layer) turned into the core's: the inner optimizers'
+// hyper-parameters, ZeroOptions with its offload and aio sections, and the
+// scalar options' defaults and descriptions for the Python signature and
+// docstring. Internal to csrc/bindings/.
+#pragma once
+
+#include "zeroshard/zero_optimizer.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+
+namespace zeroshard {
+
+void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptions& options,
+                           const pybind11::dict& values);
+std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind kind,
+                                                             const pybind11::dict& values);
+ZeroOptions zero_options_from(const pybind11::dict& values);
+pybind11::dict zero_option_defaults();
+pybind11::dict zero_option_docs();
+
+}  // namespace zeroshard
