@@ -505,3 +505,25 @@ def materialize_without_optimizer(module: nn.Module, device: torch.device) -> No
             reset = getattr(sub, "reset_parameters", None)
             if reset is not None and any(True for _ in sub.parameters(recurse=False)):
                 reset()
+
+
+def strategy_config(
+    config: Any,
+    stage: int,
+    offload_optimizer: bool,
+    offload_parameters: bool,
+    pin_memory: bool,
+    reduce_bucket_size: int | None,
+    sub_group_size: int | None,
+) -> dict[str, Any]:
+    """The DeepSpeed config both strategies (Trainer, Fabric) run with: the
+    user's ``config`` (a path or dict), or one made from the keyword options."""
+    if config is not None:
+        return load_config(config)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeroShardStrategy(stage=...) must be 1, 2 or 3, got {stage!r}")
+    if offload_parameters and stage != 3:
+        raise ValueError("ZeroShardStrategy(offload_parameters=True) needs stage=3")
+    return default_config(
+        stage, offload_optimizer, offload_parameters, pin_memory, reduce_bucket_size, sub_group_size
+    )

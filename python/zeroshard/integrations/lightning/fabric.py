@@ -52,12 +52,11 @@ from zeroshard.integrations.lightning._shared import (
     buffers_to_device,
     check_checkpoint_directory,
     check_precision,
-    default_config,
     first_meta_parameter,
     load_buffers,
-    load_config,
     persistent_buffers,
     retarget_scheduler,
+    strategy_config,
     write_checkpoint_directory,
     zero_optimizer_from,
 )
@@ -237,21 +236,15 @@ class ZeroShardStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        if config is None:
-            if stage not in (1, 2, 3):
-                raise ValueError(f"ZeroShardStrategy(stage=...) must be 1, 2 or 3, got {stage!r}")
-            if offload_parameters and stage != 3:
-                raise ValueError("ZeroShardStrategy(offload_parameters=True) needs stage=3")
-            self.config = default_config(
-                stage,
-                offload_optimizer,
-                offload_parameters,
-                pin_memory,
-                reduce_bucket_size,
-                sub_group_size,
-            )
-        else:
-            self.config = load_config(config)
+        self.config = strategy_config(
+            config,
+            stage,
+            offload_optimizer,
+            offload_parameters,
+            pin_memory,
+            reduce_bucket_size,
+            sub_group_size,
+        )
         self.unit_classes = tuple(unit_classes)
         self.param_init_fn = param_init_fn
         self.zero_optimizer: ZeroOptimizer | None = None
