@@ -328,6 +328,28 @@ void Communicator::send_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op
   tensor.copy_(read_to_host(tensors[0], host_syncs_, HostSync::kHostDataOnDevice));
 }
 
+void Communicator::broadcast_on_host(at::Tensor& tensor, int64_t root, const std::string& tag) {
+  TORCH_INTERNAL_ASSERT(tensor.device().is_cpu(), "broadcast_on_host takes host tensors");
+  if (world_size_ == 1) {
+    return;
+  }
+  check_order(CollectiveKind::kBroadcast, tensor, tag);
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  if (host_group_) {
+    std::vector<at::Tensor> tensors{tensor};
+    track(host_group_->broadcast(tensors, options), CollectiveKind::kBroadcast, bytes_of(tensor),
+          tag)
+        .wait();
+    return;
+  }
+  std::vector<at::Tensor> tensors{tensor.to(device_)};
+  track(process_group_->broadcast(tensors, options), CollectiveKind::kBroadcast, bytes_of(tensor),
+        tag)
+      .wait();
+  tensor.copy_(read_to_host(tensors[0], host_syncs_, HostSync::kHostDataOnDevice));
+}
+
 void Communicator::all_gather_on_host(at::Tensor& output, const at::Tensor& input,
                                       const std::string& tag) {
   TORCH_INTERNAL_ASSERT(input.device().is_cpu() && output.device().is_cpu(),

@@ -250,13 +250,10 @@ void GradientBuckets::adopt_completion_order() {
     flat.push_back(static_cast<int64_t>(g));
     flat.push_back(static_cast<int64_t>(b));
   }
-  // Rank 0's order on every rank: host data, so a sum over the host channel
-  // in which the other ranks add zeros ([Note: the host channel]).
+  // Rank 0's order on every rank: host data, so over the host channel
+  // ([Note: the host channel]).
   at::Tensor agreed = at::tensor(flat, at::kLong);
-  if (comm_.rank() != 0) {
-    agreed.zero_();
-  }
-  comm_.all_reduce_on_host(agreed, c10d::ReduceOp::SUM, "bucket_order");
+  comm_.broadcast_on_host(agreed, /*root=*/0, "bucket_order");
   const auto* data = agreed.data_ptr<int64_t>();
   for (size_t i = 0; i < order.size(); ++i) {
     order_[i] = {static_cast<size_t>(data[2 * i]), static_cast<size_t>(data[2 * i + 1])};

@@ -201,6 +201,8 @@ class Communicator {
   void all_reduce_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, const std::string& tag);
   // output (host) = the concatenation over ranks of input (host, equal sizes).
   void all_gather_on_host(at::Tensor& output, const at::Tensor& input, const std::string& tag);
+  // root's `tensor` (host) on every rank, in place.
+  void broadcast_on_host(at::Tensor& tensor, int64_t root, const std::string& tag);
   // Collective, blocking: the largest and the smallest `value` over the
   // ranks, from one MAX all-reduce of {value, -value} over the host channel;
   // how ranks compare a Signature (every rank has the same iff both equal its

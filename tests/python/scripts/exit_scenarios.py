@@ -33,10 +33,14 @@ from torch import nn
 
 
 def thread_names() -> list[str]:
-    return sorted(
-        open(f"/proc/self/task/{task}/comm").read().strip()
-        for task in os.listdir("/proc/self/task")
-    )
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:
+            pass  # a thread that ended between the listing and the read
+    return sorted(names)
 
 
 if sys.argv[1:2] in (["leaky"], ["leaky_tp"]):
