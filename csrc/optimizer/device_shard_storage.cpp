@@ -10,8 +10,51 @@ namespace zeroshard {
 
 DeviceShardStorage::DeviceShardStorage(std::vector<GroupBuffers>& buffers,
                                        const PartitionLayout& layout, int64_t rank,
-                                       c10::Device device)
-    : buffers_(buffers), layout_(layout), rank_(rank), device_(device) {}
+                                       c10::Device device, InnerOptimizerKind kind)
+    : buffers_(buffers), layout_(layout), rank_(rank), device_(device), kind_(kind) {}
+
+void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& options,
+                                const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
+                                double grad_scale, bool fused, const UpdateCallbacks& callbacks) {
+  TORCH_INTERNAL_ASSERT(grad_scale == 1.0, "the device tier's gradient shard is averaged in place");
+  GroupBuffers& shard = buffers_[g];
+  const GroupLayout& layout = layout_.group(g);
+  // A 16-bit gradient is widened a chunk at a time: a whole-shard fp32 copy
+  // was 4 bytes per shard element on top of the model states, the largest
+  // transient of a stage 3 step.
+  const bool widen = grad_shard.scalar_type() != at::kFloat;
+  for (const UpdateRun& run : runs) {
+    if (callbacks.buckets_updated) {  // the buckets before this run are complete
+      callbacks.buckets_updated(static_cast<size_t>(run.bucket));
+    }
+    const Bucket& bucket = layout.buckets()[run.bucket];
+    at::Tensor master =
+        master_view(g, bucket).narrow(0, run.offset - bucket.shard_offset, run.length);
+    // The update is elementwise: chunks of a run give the values the whole
+    // run would.
+    const int64_t chunk = widen ? kShardChunkElements : run.length;
+    for (int64_t done = 0; done < run.length; done += chunk) {
+      const int64_t numel = std::min(chunk, run.length - done);
+      auto part = [&](const at::Tensor& t) {
+        return t.defined() ? t.narrow(0, run.offset + done, numel) : at::Tensor();
+      };
+      at::Tensor grad = part(grad_shard);
+      ShardView view{master.narrow(0, done, numel),
+                     widen ? grad.to(at::kFloat) : grad,
+                     part(shard.state(OptimizerStateName::kExpAvg)),
+                     part(shard.state(OptimizerStateName::kExpAvgSq)),
+                     part(shard.state(OptimizerStateName::kMaxExpAvgSq)),
+                     part(shard.state(OptimizerStateName::kMomentumBuffer))};
+      apply_inner_update(kind_, options, view, run.step, fused);
+    }
+  }
+  if (callbacks.buckets_updated) {
+    // The rest of this group's buckets, before the next group's: which
+    // buckets a rank's runs fall in depends on its slice and on skipped
+    // parameters, but the order of the gathers must not.
+    callbacks.buckets_updated(layout.buckets().size());
+  }
+}
 
 at::Tensor DeviceShardStorage::master_view(size_t g, const Bucket& bucket) const {
   const GroupBuffers& group = buffers_[g];

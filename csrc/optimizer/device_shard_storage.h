@@ -2,6 +2,7 @@
 // tensors of its GroupBuffers. Internal to csrc/optimizer/.
 #pragma once
 
+#include "zeroshard/inner_optimizer.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/shard_storage.h"
 
@@ -18,7 +19,7 @@ class DeviceShardStorage final : public ShardStorage {
  public:
   // `buffers` and `layout` are the optimizer's and outlive this.
   DeviceShardStorage(std::vector<GroupBuffers>& buffers, const PartitionLayout& layout,
-                     int64_t rank, c10::Device device);
+                     int64_t rank, c10::Device device, InnerOptimizerKind kind);
 
   // This rank's fp32 master values of one bucket, as a view updated in place
   // (the update writes through it): the group's master tensor, or with fp32
@@ -37,12 +38,16 @@ class DeviceShardStorage final : public ShardStorage {
   void adopt(size_t group, OptimizerStateName name, const at::Tensor& values) override;
   int64_t bytes(StateTier tier) const override;
   c10::Device home_device() const override { return device_; }
+  void update(size_t group, const torch::optim::OptimizerOptions& options,
+              const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
+              bool fused, const UpdateCallbacks& callbacks) override;
 
  private:
   std::vector<GroupBuffers>& buffers_;
   const PartitionLayout& layout_;
   int64_t rank_;
   c10::Device device_;
+  InnerOptimizerKind kind_;
 };
 
 }  // namespace zeroshard

@@ -17,7 +17,6 @@ namespace zeroshard {
 // (stages 1-2: every rank holds every parameter) and this rank's shards.
 struct GroupBuffers {
   at::TensorOptions param_options;  // dtype and device of the parameters
-  at::TensorOptions grad_options;   // of buckets and the gradient shard (reduce_in_fp32)
   // Stages 1-2: 1D, layout.flat_numel(), parameter dtype; the model's
   // parameters are views into it. Not a shard: this rank's shard is its
   // slices (rank_slice_offset) of each bucket.
@@ -25,11 +24,6 @@ struct GroupBuffers {
   // Stage 3: this rank's parameter values, 1D, shard_numel, parameter dtype;
   // what the all-gathers send. For fp32 parameters it is also the master.
   at::Tensor param_shard;
-  // 1D, shard_numel, grad_shard_options(g): grad_options, or in host
-  // memory (fp32 with 'cpu' offload) when the placement says so.
-  // Undefined where the gradient shard is swapped to NVMe
-  // (swapped_gradients(g)).
-  at::Tensor grad_shard;
   // The optimizer states by OptimizerStateName, each 1D, shard_numel, fp32,
   // undefined where not kept: the master is undefined when the parameters
   // are fp32 (their master values are this rank's slices of flat_param or

@@ -35,23 +35,24 @@ at::Tensor ZeroOptimizer::Impl::gradient_norm() {
   for (size_t g = 0; g < buffers_.size(); ++g) {
     const GroupBuffers& shard = buffers_[g];
     if (!groups_->model_parallel()) {
-      for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
-        squares[1].add_(chunk.to(at::kFloat).pow(2).sum());
-      });
+      gradients_->for_each_chunk(
+          g, 0, layout_->group(g).shard_numel(),
+          [&](const at::Tensor& chunk) { squares[1].add_(chunk.to(at::kFloat).pow(2).sum()); });
       continue;
     }
     for (const ShardSegment& segment : shard.segments) {
       const bool split = tensor_parallel_sharded_[g][segment.param_index];
-      for_each_gradient_chunk(g, segment.shard_offset, segment.numel, [&](const at::Tensor& chunk) {
-        squares[split ? 0 : 1].add_(chunk.to(at::kFloat).pow(2).sum());
-      });
+      gradients_->for_each_chunk(g, segment.shard_offset, segment.numel,
+                                 [&](const at::Tensor& chunk) {
+                                   squares[split ? 0 : 1].add_(chunk.to(at::kFloat).pow(2).sum());
+                                 });
     }
   }
-  raise_gradient_swap_failure("take the gradient norm");
+  gradients_->raise_swap_failure("take the gradient norm");
   groups_->shard().all_reduce_sum(squares, "grad_norm");
   at::Tensor total_norm = sum_squares_across_tensor_parallel(squares).sqrt();
   if (offloaded_) {
-    total_norm.mul_(grad_shard_scale_);  // the shard holds unscaled sums
+    total_norm.mul_(gradients_->shard_scale());  // the shard holds unscaled sums
   }
   return total_norm;
 }
@@ -68,17 +69,7 @@ at::Tensor ZeroOptimizer::Impl::sum_squares_across_tensor_parallel(at::Tensor sq
 
 void ZeroOptimizer::Impl::scale_gradients(const at::Tensor& coefficient) {
   finish_gradient_reduction();
-  at::NoGradGuard no_grad;
-  if (offloaded_) {
-    // The host kernel applies the factor: the host needs the number.
-    grad_shard_scale_ *=
-        read_to_host(coefficient, &host_syncs_, HostSync::kClipCoefficient).item<double>();
-    return;
-  }
-  for (auto& shard : buffers_) {
-    shard.grad_shard.mul_(
-        coefficient.to(shard.grad_shard.device(), shard.grad_shard.scalar_type()));
-  }
+  gradients_->scale(coefficient);
 }
 
 std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* overflow,
@@ -104,10 +95,12 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
     // chunk would wait for the device once per chunk.
     at::Tensor nonfinite;
     for (size_t g = 0; g < buffers_.size(); ++g) {
-      for_each_gradient_chunk(g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
-        at::Tensor here = at::isfinite(chunk).logical_not().any();
-        nonfinite = nonfinite.defined() ? nonfinite.logical_or(here.to(nonfinite.device())) : here;
-      });
+      gradients_->for_each_chunk(
+          g, 0, layout_->group(g).shard_numel(), [&](const at::Tensor& chunk) {
+            at::Tensor here = at::isfinite(chunk).logical_not().any();
+            nonfinite =
+                nonfinite.defined() ? nonfinite.logical_or(here.to(nonfinite.device())) : here;
+          });
     }
     if (nonfinite.defined()) {
       data[total] =
@@ -117,7 +110,7 @@ std::vector<std::vector<bool>> ZeroOptimizer::Impl::global_grad_presence(bool* o
   int64_t index = 0;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     for (size_t i = 0; i < param_groups_[g].params().size(); ++i, ++index) {
-      data[index] = buckets_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
+      data[index] = gradients_->reported(g, static_cast<int64_t>(i)) ? 1 : 0;
     }
   }
   groups_->shard().all_reduce_on_host(flags, c10d::ReduceOp::MAX, "grad_presence");

@@ -34,13 +34,7 @@ ZeroOptimizer::Impl::Impl(ZeroOptimizer& owner,
 ZeroOptimizer::Impl::~Impl() {
   async_saver_.finish_quietly();  // exit waits for an asynchronous save
   alive_.reset();                 // output hooks still registered on live tensors see it expire
-  hooks_.reset();
-  if (buckets_) {
-    try {
-      buckets_->wait_all();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to report to in a destructor
-    }
-  }
+  gradients_.reset();             // its hooks first, then the reductions in flight
 }
 
 void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
@@ -142,42 +136,16 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     }
     gatherer_ = std::make_unique<ParameterGatherer>(
         *layout_, groups_->shard(), param_options, std::move(unit_names), std::move(unit_buckets),
-        [this](size_t g, size_t b) {
-          if (param_swapper_) {
-            if (!device_.is_cpu()) {
-              host_syncs_.count(HostSync::kPageableCopy);  // a blocking copy per bucket
-            }
-            // An NVMe bucket's buffer is the collective's own (freed with it);
-            // a bucket kept in host memory is copied, as with 'cpu'.
-            return param_swapper_->read(g, b).to(device_, /*non_blocking=*/false,
-                                                 /*copy=*/!param_swapper_->on_nvme(g, b));
-          }
-          const Bucket& bucket = layout_->group(g).buckets()[b];
-          at::Tensor shard =
-              buffers_[g].param_shard.narrow(0, bucket.shard_offset, bucket.shard_numel);
-          if (placement_->parameter_tier() == StateTier::kDevice) {
-            return shard;
-          }
-          // offload_param: the shard goes to the device first, when the gather
-          // (or its prefetch) is issued; the collective holds the copy.
-          const bool async = placement_->asynchronous_copies(StateTier::kHost, true);
-          if (!async && !device_.is_cpu()) {
-            host_syncs_.count(HostSync::kPageableCopy);  // pin_memory=False
-          }
-          return shard.to(device_, async, /*copy=*/true);
-        },
+        Stage3ShardSource(*layout_, *placement_, buffers_, param_swapper_, host_syncs_),
         options_.stage3_prefetch_bucket_size(), options_.stage3_max_live_parameters());
+    stage3_events_ = std::make_unique<GathererGradientEvents>(*gatherer_);
   }
   buffers_.resize(param_groups_.size());
-  device_storage_ =
-      std::make_unique<DeviceShardStorage>(buffers_, *layout_, groups_->shard().rank(), device_);
+  device_storage_ = std::make_unique<DeviceShardStorage>(
+      buffers_, *layout_, groups_->shard().rank(), device_, inner_kind_);
   parameter_gathers_ = BucketGathers(param_groups_.size());
-  std::vector<at::TensorOptions> grad_options;
   for (size_t g = 0; g < buffers_.size(); ++g) {
     buffers_[g].param_options = param_options[g];
-    buffers_[g].grad_options =
-        options_.reduce_in_fp32() ? param_options[g].dtype(at::kFloat) : param_options[g];
-    grad_options.push_back(buffers_[g].grad_options);
   }
   if (placement_->offloads_optimizer()) {
     std::vector<c10::ScalarType> dtypes;
@@ -228,132 +196,38 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     const std::string agreed = groups_->agree(error, "nvme_param_setup");
     TORCH_CHECK(agreed.empty(), "could not set up the NVMe swap space for parameters: ", agreed);
   }
+  build_gradient_reduction();
   build_group_shards();
-  GradientBuckets::BucketComplete on_complete;
-  if (gatherer_) {
-    on_complete = [this](size_t g, size_t b) { gatherer_->bucket_complete(g, b); };
-  }
-  buckets_ = std::make_unique<GradientBuckets>(
-      *layout_, groups_->shard(), grad_options,
-      [this](size_t g) -> at::Tensor& { return buffers_[g].grad_shard; },
-      static_cast<size_t>(options_.max_buckets_in_flight()), options_.overlap_comm(),
-      std::move(on_complete));
-  // See [Note: pre-divided 16-bit gradients]: one factor for every group, so
-  // the shards and grad_shard_scale_ mean one thing whatever the group.
-  const bool reduces_16_bit =
-      std::any_of(grad_options.begin(), grad_options.end(), [](const at::TensorOptions& o) {
-        const auto dtype = c10::typeMetaToScalarType(o.dtype());
-        return dtype == at::kHalf || dtype == at::kBFloat16;
-      });
-  if (reduces_16_bit) {
-    buckets_->set_predivide(static_cast<double>(data_parallel_world_size()));
-  }
+  gradients_->expect_current_gradients();  // the parameters as the shards left them
   if (gatherer_ && options_.check_collective_order() && groups_->shard().world_size() > 1) {
     // See [Note: Negotiated collectives].
-    buckets_->set_launch_on_agreement(true);
+    GradientBuckets& buckets = gradients_->buckets();
+    buckets.set_launch_on_agreement(true);
     gatherer_->negotiate(std::make_unique<CollectiveAgreement>(
-                             groups_->shard(), gatherer_->num_units(), buckets_->num_buckets()),
-                         buckets_.get());
+                             groups_->shard(), gatherer_->num_units(), buckets.num_buckets()),
+                         &buckets);
   }
-  if (NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr) {
-    buckets_->set_gradient_sink(
-        [this, swapper](size_t g, int64_t offset, const at::Tensor& reduced) {
-          if (!swapper->swaps(g)) {
-            return false;
-          }
-          if (!reduced.is_cpu()) {
-            // The swap copies the slice to the host as it arrives: a wait per
-            // bucket (the NVMe gradient swap is built for memory, not speed).
-            host_syncs_.count(HostSync::kOffloadGradientCopy);
-          }
-          swapper->accumulate(g, offset, reduced);
-          return true;
-        },
-        [swapper] { swapper->flush(); });
-  }
-  // See [Note: the first round writes the shard]: a shard read in place, on
-  // the buckets' device and in their dtype (not offloaded across devices,
-  // not widened, not swapped to NVMe).
-  std::vector<bool> first_round_writes(param_groups_.size());
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const at::TensorOptions shard = grad_shard_options(g);
-    first_round_writes[g] = swapped_gradients(g) == nullptr &&
-                            shard.device() == grad_options[g].device() &&
-                            shard.dtype() == grad_options[g].dtype();
-  }
-  buckets_->set_first_round_writes_shard(std::move(first_round_writes));
-  set_bucket_expectations();
   bool waiting_for_adoption = false;
   for (const auto& group : replacements_) {
     for (const auto& replacement : group) {
       waiting_for_adoption = waiting_for_adoption || replacement.defined();
     }
   }
-  if (uses_gradient_hooks() && !waiting_for_adoption) {
-    install_gradient_hooks();
+  if (gradients_->uses_hooks() && !waiting_for_adoption) {
+    gradients_->install_hooks();
   }
 }
 
-// Frozen parameters (requires_grad false) never deliver a gradient; buckets
-// must not wait for them, or every later bucket would wait for the end of
-// backward (and, at stage 3, stay gathered).
-void ZeroOptimizer::Impl::set_bucket_expectations() {
-  std::vector<std::vector<bool>> expects(param_groups_.size());
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    for (const auto& param : param_groups_[g].params()) {
-      expects[g].push_back(param.requires_grad());
-    }
+void ZeroOptimizer::Impl::build_gradient_reduction() {
+  std::vector<at::TensorOptions> grad_options;
+  for (const GroupBuffers& shard : buffers_) {
+    grad_options.push_back(options_.reduce_in_fp32() ? shard.param_options.dtype(at::kFloat)
+                                                     : shard.param_options);
   }
-  expected_gradients_ = expects;
-  buckets_->set_expects_gradient(std::move(expects));
-}
-
-// [Note: parameters unfrozen after construction]
-// The buckets' expectations and the hooks follow requires_grad as it was at
-// construction. A parameter unfrozen later (requires_grad_(True) after some
-// steps: staged fine-tuning) delivers its gradient to .grad with no hook, and
-// a bucket not expecting it can be reduced before it comes: at stage 3 its
-// unit's bucket was complete, and reduced as zeros, before backward reached
-// it, so it never trained. So before each round's first gradient (the first
-// hook, stage 3's first pre-backward, the reduction in step()) the
-// expectations follow requires_grad again: the bucket waits for it and, with
-// no hook, takes it from .grad when backward ends. Outside backward (stage 3's
-// model forward, the end of step()) it also gets its hook, so later rounds
-// reduce it as it comes. A parameter frozen later needs nothing: its bucket
-// waits for the end of backward, as for any parameter without a gradient.
-void ZeroOptimizer::Impl::follow_requires_grad(bool outside_backward) {
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
-  if (!buckets_ || expected_gradients_.size() != param_groups_.size()) {
-    return;  // still under construction
-  }
-  bool changed = false;
-  for (size_t g = 0; g < param_groups_.size() && !changed; ++g) {
-    const auto& params = param_groups_[g].params();
-    for (size_t i = 0; i < params.size() && !changed; ++i) {
-      changed = params[i].requires_grad() != expected_gradients_[g][i];
-    }
-  }
-  if (changed && !buckets_->round_open()) {
-    set_bucket_expectations();
-  }
-  if (outside_backward && hooks_) {
-    for (size_t g = 0; g < param_groups_.size(); ++g) {
-      const auto& params = param_groups_[g].params();
-      for (size_t i = 0; i < params.size(); ++i) {
-        hooks_->install(g, static_cast<int64_t>(i), params[i]);
-      }
-    }
-  }
-}
-
-void ZeroOptimizer::Impl::install_gradient_hooks() {
-  std::vector<std::vector<at::Tensor>> params;
-  for (const auto& group : param_groups_) {
-    params.push_back(group.params());
-  }
-  hooks_ = std::make_unique<GradientHooks>(
-      params, [this](size_t g, int64_t i, const at::Tensor& param) { on_gradient(g, i, param); },
-      [this](bool outermost) { on_backward_end(outermost); });
+  gradients_ = std::make_unique<GradientReduction>(GradientReduction::Parts{
+      options_, param_groups_, *layout_, *groups_, *placement_, std::move(grad_options),
+      offloaded_ ? offloaded_->gradient_swapper() : nullptr,
+      /*defers_scale=*/offloaded_ != nullptr, stage3_events_.get(), host_syncs_});
 }
 
 std::vector<std::vector<int64_t>> ZeroOptimizer::Impl::assign_units(

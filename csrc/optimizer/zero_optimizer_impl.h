@@ -5,18 +5,17 @@
 // of it (docs/design.md's file table says which).
 #pragma once
 
+#include "../grads/gradient_reduction.h"
 #include "background_save.h"
 #include "bucket_gathers.h"
 #include "device_shard_storage.h"
 #include "group_buffers.h"
 #include "loss_scaling.h"
 #include "parameter_index.h"
-#include "stage1_gradient_copies.h"
+#include "stage3_parts.h"
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/error_agreement.h"
-#include "zeroshard/gradient_buckets.h"
-#include "zeroshard/gradient_hooks.h"
 #include "zeroshard/host_syncs.h"
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/mapped_host_memory.h"
@@ -73,12 +72,12 @@ class ZeroOptimizer::Impl {
   void skip_next_step() { loss_scaling_.request_skip(); }
   void check_next_step_for_overflow() { loss_scaling_.request_overflow_check(); }
   int64_t skipped_steps() const { return loss_scaling_.skipped_steps(); }
-  void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
-  bool gradient_sync() const { return gradient_sync_; }
-  int64_t gradient_bytes() const;
-  int64_t host_gradient_bytes() const;
-  int64_t peak_staging_bytes() const { return buckets_->peak_staging_bytes(); }
-  void reset_peak_staging_bytes() { buckets_->reset_peak_staging_bytes(); }
+  void set_gradient_sync(bool enabled) { gradients_->set_sync(enabled); }
+  bool gradient_sync() const { return gradients_->sync(); }
+  int64_t gradient_bytes() const { return gradients_->device_bytes(); }
+  int64_t host_gradient_bytes() const { return gradients_->host_bytes(); }
+  int64_t peak_staging_bytes() const { return gradients_->buckets().peak_staging_bytes(); }
+  void reset_peak_staging_bytes() { gradients_->buckets().reset_peak_staging_bytes(); }
   int64_t cached_buffer_bytes() const;
   int64_t release_cached_buffers();
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
@@ -96,7 +95,7 @@ class ZeroOptimizer::Impl {
   int64_t checkpoint_rank() const { return groups_->checkpoint_rank(); }
   void set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup> group);
   ModelParallel model_parallel() const { return groups_->model_parallel_kind(); }
-  void gradient_arrived(size_t group, int64_t index);
+  void gradient_arrived(size_t group, int64_t index) { gradients_->gradient_arrived(group, index); }
   const at::Tensor& flat_parameters(size_t group) const;
   int64_t optimizer_state_bytes() const;
   int64_t device_model_state_bytes() const;
@@ -157,6 +156,19 @@ class ZeroOptimizer::Impl {
 
   // ---- The parts of a step, and the state they share ----
 
+  // [Note: the step, owner by owner] (zero_optimizer_step.cpp).
+  struct StepAgreement {
+    std::vector<std::vector<bool>> has_grad;  // per group and parameter, on any rank
+    bool overflow = false;                    // inf/NaN in any rank's gradients
+  };
+  // The ranks meet, the hyper-parameters are valid and the parameters are
+  // where the shards are; returns what could not be re-attached ("" if all).
+  std::string begin_step();
+  // The step's one flags all-reduce, and the errors every rank raises on it.
+  StepAgreement agree_on_step(const std::string& detached);
+  void skip_update();
+  void end_step();
+
   void initialize(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group,
                   std::vector<ParameterUnit> units);
@@ -169,8 +181,6 @@ class ZeroOptimizer::Impl {
   // A group added after construction (C++ add_param_group is not virtual)
   // has no place in the partition layout: an error, before any collective.
   void check_groups_fixed() const;
-  // Sums the reduced gradient shards over the replicas.
-  void reduce_gradient_shards_across_replicas();
   // ---- Tensor parallelism; no-ops without it ----
   // squares: [sum over TP-sharded pieces, sum over the rest] of the reduced
   // gradients' squares on this rank, summed over the data-parallel group;
@@ -182,10 +192,8 @@ class ZeroOptimizer::Impl {
                                                  std::vector<std::string>& unit_names,
                                                  std::vector<std::vector<at::Tensor>>& unit_params);
   void build_stage3_shards(size_t group);
-  void install_gradient_hooks();
-  void set_bucket_expectations();
-  // [Note: parameters unfrozen after construction]
-  void follow_requires_grad(bool outside_backward);
+  // The gradient path, wired to this optimizer's parts (construction).
+  void build_gradient_reduction();
   std::vector<BucketId> buckets_of(const std::vector<at::Tensor>& params) const;
   c10::Device device() const { return device_; }
   void validate_parameters() const;
@@ -257,23 +265,7 @@ class ZeroOptimizer::Impl {
   // Brings every rank's gradient shard to the averaged gradient (idempotent
   // until the next step): stage 1 reduces .grad now, stage 2 flushes what the
   // hooks left.
-  void finish_gradient_reduction();
-  void clear_gradient_shards();
-  void on_gradient(size_t group, int64_t index, const at::Tensor& param);
-  void on_stage1_gradient(size_t group, int64_t index, const at::Tensor& grad);
-  // Collective: whether the gradients the stage 1 hooks copied are still what
-  // .grad holds on every rank (see [Note: stage 1 overlap]).
-  bool stage1_copies_current();
-  void ensure_stage1_grad_shards();
-  // A stage-1 gradient shard for group g, from stage1_grad_shard_pool_:
-  // zeroed unless its first round writes it.
-  at::Tensor new_stage1_grad_shard(size_t g);
-  bool uses_gradient_hooks() const {
-    return options_.stage() >= 2 || (options_.stage() == 1 && options_.overlap_comm() &&
-                                     options_.stage1_reduce_in_backward());
-  }
-  void on_backward_end(bool outermost);
-  at::Tensor take_leftover_grad(size_t group, int64_t index);
+  void finish_gradient_reduction() { gradients_->finish(loss_scaling_.loss_scale()); }
   void update_shards(const std::vector<std::vector<bool>>& has_grad);
   // Stages 1-2: launches the all-gather of group g's buckets below `end`
   // not yet launched this step (see [Note: gathers behind the update]).
@@ -283,27 +275,6 @@ class ZeroOptimizer::Impl {
   // group it talks over (shard, replica, tensor-parallel).
   std::unique_ptr<Communicator> make_communicator(
       c10::intrusive_ptr<c10d::ProcessGroup> group) const;
-  // Where group g's gradient shard is allocated (StatePlacement decides).
-  at::TensorOptions grad_shard_options(size_t g) const {
-    return placement_->gradient_shard_options(g, buffers_[g].grad_options);
-  }
-  // Bytes of the gradient shards held on the host (on_host) or the device.
-  int64_t gradient_shard_bytes(bool on_host) const;
-  // Group g's gradient shard's swap space (offload_optimizer.swap_gradients),
-  // or null where the shard is a tensor.
-  NvmeGradientSwapper* swapped_gradients(size_t g) const {
-    NvmeGradientSwapper* swapper = offloaded_ ? offloaded_->gradient_swapper() : nullptr;
-    return swapper != nullptr && swapper->swaps(g) ? swapper : nullptr;
-  }
-  // With gradients in the NVMe swap space: every rank raises an I/O failure
-  // any rank kept (see nvme_gradient_swapper.h), naming `what` it stops.
-  // Collective there; nothing otherwise.
-  void raise_gradient_swap_failure(const std::string& what);
-  // Calls fn on [offset, offset + length) of group g's gradient shard, at most
-  // kShardChunkElements elements at a time (views of the shard), or
-  // kGradientSwapBlockElements (fp32 copies read from its swap space).
-  void for_each_gradient_chunk(size_t g, int64_t offset, int64_t length,
-                               const std::function<void(const at::Tensor&)>& fn) const;
 
   // The facade's (torch::optim::Optimizer's) parameter groups: the
   // optimizer's parameters, as the base class and its users see them.
@@ -327,10 +298,6 @@ class ZeroOptimizer::Impl {
   // With offload_param on NVMe: the stage-3 parameter shards (then
   // GroupBuffers::param_shard is undefined).
   std::unique_ptr<NvmeParameterSwapper> param_swapper_;
-  // Stage 1's gradient shard lives for a step (or from backward to step()),
-  // and a fresh mapping each step faulted its pages in again and made the
-  // step time swing (see [Note: the stage-1 shard between steps]).
-  HostBufferPool stage1_grad_shard_pool_;
   std::vector<GroupBuffers> buffers_;
   // The device tier of the states (over buffers_); with offload_optimizer,
   // offloaded_ is the tier that holds them, and the device tier serves only
@@ -343,13 +310,11 @@ class ZeroOptimizer::Impl {
   // Stages 1-2: this step's parameter all-gathers in flight (their input is
   // this rank's slice of flat_param).
   BucketGathers parameter_gathers_;
-  // With offload the gradient shard holds the reduced sum and this factor
-  // (1 / (world size x loss scale), times the clipping coefficient) is
-  // applied inside the host kernel's one pass; 1 otherwise.
-  double grad_shard_scale_ = 1.0;
-  std::unique_ptr<GradientBuckets> buckets_;
-  std::unique_ptr<GradientHooks> hooks_;               // stages 2 and 3
-  std::unique_ptr<ParameterGatherer> gatherer_;        // stage 3 only
+  std::unique_ptr<ParameterGatherer> gatherer_;            // stage 3 only
+  std::unique_ptr<GathererGradientEvents> stage3_events_;  // over gatherer_
+  // The gradient path: hooks, buckets, the gradient shards; its mutex is
+  // [Note: what the gradient mutex guards]. After gatherer_, which it calls.
+  std::unique_ptr<GradientReduction> gradients_;
   std::vector<std::vector<at::Tensor>> replacements_;  // see replacement_parameters()
   // Which parameter a tensor is (units and pins name tensors), and the
   // parameters' names (set_parameter_names).
@@ -357,18 +322,10 @@ class ZeroOptimizer::Impl {
   AsyncCheckpointSaver async_saver_;  // asynchronous checkpoint saves
   // Output hooks hold a weak reference: they outlive the optimizer harmlessly.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
-  // Hooks (backward thread) vs. the training thread; recursive because a
-  // gradient hook can complete a bucket whose release the gatherer handles.
-  std::recursive_mutex gradient_mutex_;
   c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
-  bool gradients_reduced_ = false;               // shards hold the averaged gradient
   LossScaling loss_scaling_;
-  bool hyperparameters_differ_ = false;                // what the last step's flags found
-  std::vector<std::vector<bool>> expected_gradients_;  // requires_grad the buckets follow
-  int64_t model_forward_depth_ = 0;                    // see model_forward_begin
-  bool gradient_sync_ = true;
-  bool unsynced_gradients_ = false;     // a backward ran under no_sync since the last reduction
-  Stage1GradientCopies stage1_copies_;  // stage 1 overlap: see its header
+  bool hyperparameters_differ_ = false;  // what the last step's flags found
+  int64_t model_forward_depth_ = 0;      // see model_forward_begin
 };
 
 }  // namespace zeroshard

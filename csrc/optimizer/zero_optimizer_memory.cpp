@@ -34,36 +34,8 @@ int64_t ZeroOptimizer::Impl::host_model_state_bytes() const {
   return bytes + host_gradient_bytes();
 }
 
-int64_t ZeroOptimizer::Impl::gradient_shard_bytes(bool on_host) const {
-  int64_t bytes = 0;
-  for (size_t g = 0; g < buffers_.size(); ++g) {
-    const at::Tensor& shard = buffers_[g].grad_shard;
-    if (shard.defined() && placement_->gradient_shard_on_host(g) == on_host) {
-      bytes += shard.numel() * static_cast<int64_t>(shard.element_size());
-    }
-  }
-  return bytes;
-}
-
-int64_t ZeroOptimizer::Impl::gradient_bytes() const {
-  int64_t bytes = buckets_->live_staging_bytes() + gradient_shard_bytes(/*on_host=*/false);
-  for (const auto& group : param_groups_) {
-    for (const auto& param : group.params()) {
-      if (param.grad().defined()) {
-        bytes += param.grad().numel() * static_cast<int64_t>(param.grad().element_size());
-      }
-    }
-  }
-  return bytes;
-}
-
-int64_t ZeroOptimizer::Impl::host_gradient_bytes() const {
-  const NvmeGradientSwapper* swapper = gradient_swapper();
-  return gradient_shard_bytes(/*on_host=*/true) + (swapper ? swapper->buffer_bytes() : 0);
-}
-
 int64_t ZeroOptimizer::Impl::cached_buffer_bytes() const {
-  int64_t bytes = buckets_->cached_bytes() + stage1_grad_shard_pool_.cached_bytes();
+  int64_t bytes = gradients_->cached_bytes();
   for (const Communicator* comm : groups_->communicators()) {
     bytes += comm->cached_bytes();
   }
@@ -73,7 +45,7 @@ int64_t ZeroOptimizer::Impl::cached_buffer_bytes() const {
 int64_t ZeroOptimizer::Impl::release_cached_buffers() {
   // What each pool unmapped, counted as it is unmapped: a buffer freed
   // between a count and the release would otherwise go uncounted.
-  int64_t bytes = buckets_->release_cached_buffers() + stage1_grad_shard_pool_.clear();
+  int64_t bytes = gradients_->release_cached_buffers();
   for (Communicator* comm : groups_->communicators()) {
     bytes += comm->release_cached_buffers();
   }

@@ -20,46 +20,6 @@
 
 namespace zeroshard {
 
-void ZeroOptimizer::Impl::reduce_gradient_shards_across_replicas() {
-  if (!groups_->replica()) {
-    return;
-  }
-  for (size_t g = 0; g < buffers_.size(); ++g) {
-    const std::string tag = "replicas/group" + std::to_string(g) + "/grad_shard";
-    if (NvmeGradientSwapper* swapped = swapped_gradients(g)) {
-      // From the swap file and back, a chunk at a time, through the device.
-      const int64_t numel = swapped->numel(g);
-      for (int64_t done = 0; done < numel; done += kGradientSwapBlockElements) {
-        const int64_t length = std::min(kGradientSwapBlockElements, numel - done);
-        at::Tensor sum = swapped->read(g, done, length).to(device_);
-        groups_->replica()->all_reduce_sum(sum, tag);
-        swapped->write(g, done, read_to_host(sum, &host_syncs_, HostSync::kOffloadGradientCopy));
-      }
-      raise_gradient_swap_failure("reduce the gradients across replicas");
-      continue;
-    }
-    at::Tensor& shard = buffers_[g].grad_shard;
-    if (!shard.defined() || shard.numel() == 0) {
-      continue;  // every replica has the same layout, so all skip alike
-    }
-    if (shard.device() == device_) {
-      groups_->replica()->all_reduce_sum(shard, tag);
-      continue;
-    }
-    // A host shard (offload) travels through the device (NCCL needs device
-    // tensors), a chunk at a time: a whole fp32 copy of it on the device
-    // would be twice the 16-bit shard that offload took off it. Every replica
-    // has the same layout, so all issue the same chunks.
-    const int64_t numel = shard.numel();
-    for (int64_t done = 0; done < numel; done += kShardChunkElements) {
-      at::Tensor host = shard.narrow(0, done, std::min(kShardChunkElements, numel - done));
-      at::Tensor sum = host.to(device_);
-      groups_->replica()->all_reduce_sum(sum, tag);
-      host.copy_(read_to_host(sum, &host_syncs_, HostSync::kOffloadGradientCopy));
-    }
-  }
-}
-
 void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
                                           const CheckpointSaveOptions& options) {
   check_groups_fixed();

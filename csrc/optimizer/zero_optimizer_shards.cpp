@@ -96,11 +96,6 @@ void ZeroOptimizer::Impl::build_group_shards() {
                                            bucket.shard_numel));
       }
     }
-    if (options_.stage() >= 2 && !swapped_gradients(g)) {
-      // Stage 2 accumulates into the shard across backward passes; stage 1
-      // allocates it only while a step runs.
-      shard.grad_shard = at::zeros({layout.shard_numel()}, grad_shard_options(g));
-    }
     ensure_state_tensors(g);
   }
 }
@@ -129,9 +124,6 @@ void ZeroOptimizer::Impl::build_stage3_shards(size_t g) {
                   placement_->options(placement_->parameter_tier(),
                                       c10::typeMetaToScalarType(shard.param_options.dtype()),
                                       /*for_parameters=*/true));
-  }
-  if (!swapped_gradients(g)) {
-    shard.grad_shard = at::zeros({layout.shard_numel()}, grad_shard_options(g));
   }
   replacements_[g].assign(params.size(), at::Tensor());
   for (size_t b = 0; b < layout.buckets().size(); ++b) {

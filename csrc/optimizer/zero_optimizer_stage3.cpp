@@ -64,7 +64,7 @@ std::vector<std::vector<at::Tensor>> ZeroOptimizer::Impl::full_parameters(int64_
   check_groups_fixed();
   TORCH_CHECK_VALUE(rank >= 0 && rank < groups_->shard().world_size(), "rank must be in [0, ",
                     groups_->shard().world_size(), "), got ", rank);
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   std::vector<std::vector<at::Tensor>> out(param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -106,19 +106,19 @@ int64_t ZeroOptimizer::Impl::unit_index(const std::string& name) const {
 
 void ZeroOptimizer::Impl::unit_pre_forward(int64_t unit) {
   TORCH_CHECK(gatherer_, "unit hooks need stage 3");
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   // A forward inside a backward pass is an activation-checkpoint recompute.
   const bool in_backward = torch::autograd::get_current_graph_task_id() != -1;
-  if (in_backward && hooks_) {
-    hooks_->track_current_backward();
+  if (in_backward) {
+    gradients_->track_current_backward();
   }
   gatherer_->pre_forward(unit, in_backward);
 }
 
 void ZeroOptimizer::Impl::unit_post_forward(int64_t unit) {
   TORCH_CHECK(gatherer_, "unit hooks need stage 3");
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   gatherer_->post_forward(unit, torch::autograd::get_current_graph_task_id() != -1);
 }
 
@@ -136,12 +136,10 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
     }
     // Autograd runs a backward with grad mode on only with create_graph.
     const bool create_graph = at::GradMode::is_enabled();
-    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+    std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
     at::NoGradGuard no_grad;
-    if (hooks_) {
-      hooks_->track_current_backward();
-    }
-    follow_requires_grad(/*outside_backward=*/false);
+    gradients_->track_current_backward();
+    gradients_->follow_requires_grad(/*outside_backward=*/false);
     gatherer_->pre_backward(unit, create_graph);
   });
 }
@@ -149,7 +147,7 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
 void ZeroOptimizer::Impl::model_forward_begin() {
   if (gatherer_ && torch::autograd::get_current_graph_task_id() == -1) {
     model_forward_depth_ += 1;
-    follow_requires_grad(/*outside_backward=*/true);
+    gradients_->follow_requires_grad(/*outside_backward=*/true);
   }
 }
 
@@ -162,7 +160,7 @@ void ZeroOptimizer::Impl::model_forward_end(bool raised) {
   if (model_forward_depth_ > 0 || raised) {
     return;
   }
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   gatherer_->wait_for_all_ranks(AgreementBarrier::kForwardEnd);
 }
@@ -179,7 +177,7 @@ void ZeroOptimizer::Impl::pin_parameters(const std::vector<at::Tensor>& params) 
   if (!gatherer_) {
     return;  // stages 1 and 2: always gathered
   }
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   gatherer_->pin(buckets_of(params));
 }
@@ -189,7 +187,7 @@ void ZeroOptimizer::Impl::unpin_parameters(const std::vector<at::Tensor>& params
   TORCH_CHECK_VALUE(modifier_rank < groups_->shard().world_size(),
                     "modifier_rank must be < world size ", groups_->shard().world_size(), ", got ",
                     modifier_rank);
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   const std::vector<BucketId> buckets = buckets_of(params);
   std::string write_error;  // see [Note: writes outside the step]
@@ -249,22 +247,22 @@ void ZeroOptimizer::Impl::adopt_parameters(const std::vector<std::vector<at::Ten
     replacements_[g].assign(params[g].size(), at::Tensor());
   }
   param_index_.rebuild(param_groups_);
-  set_bucket_expectations();
-  if (uses_gradient_hooks()) {
-    install_gradient_hooks();
+  gradients_->expect_current_gradients();
+  if (gradients_->uses_hooks()) {
+    gradients_->install_hooks();
   }
 }
 
 void ZeroOptimizer::Impl::begin_initialization(const std::vector<at::Tensor>& params) {
   TORCH_CHECK(gatherer_, "begin_initialization is for stage 3 partitioned construction");
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   gatherer_->pin_for_initialization(buckets_of(params));
 }
 
 void ZeroOptimizer::Impl::end_initialization(const std::vector<at::Tensor>& params) {
   TORCH_CHECK(gatherer_, "end_initialization is for stage 3 partitioned construction");
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
   at::NoGradGuard no_grad;
   const std::vector<BucketId> buckets = buckets_of(params);
   std::string write_error;  // see [Note: writes outside the step]

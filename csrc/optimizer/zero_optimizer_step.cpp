@@ -19,6 +19,16 @@
 #include <unordered_map>
 
 namespace zeroshard {
+// [Note: the step, owner by owner]
+// Read top to bottom, a step is: the ranks meet (stage 3's barrier) and the
+// parameters are checked; the gradient path (GradientReduction) finishes its
+// reduction; one host all-reduce of the step's flags (presence, overflow,
+// hyper-parameter hash) decides together whether and what to update; the
+// loss scaling (LossScaling) records it; the clip scales the gradient shards;
+// the storage tiers update the shards (update_shards: the device tier here,
+// OffloadedOptimizerState with offload); the parameters are gathered again
+// (stages 1-2: behind the update; stage 3: ParameterGatherer); the gradient
+// path is cleared for the next backward.
 at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
   // Everything the step allocates or launches belongs on the parameters'
   // device, whatever device the caller left current.
@@ -29,46 +39,15 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  check_groups_fixed();
-  if (gatherer_) {
-    // A rank still in a forward or backward pass gets its gathers served
-    // until it arrives (see [Note: Negotiated collectives]).
-    std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
-    gatherer_->wait_for_all_ranks(AgreementBarrier::kStep);
-  }
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    // Hyper-parameters may have been edited since the last step (schedulers).
-    validate_inner_options(inner_kind_, param_groups_[g].options());
-    ensure_state_tensors(g);
-  }
-  const std::string detached = reattach_parameters();
+  const std::string detached = begin_step();
   finish_gradient_reduction();
-  bool overflow = false;
-  bool any_detached = false;
-  const auto has_grad = global_grad_presence(&overflow, !detached.empty(), &any_detached);
-  if (hyperparameters_differ_) {
-    raise_hyperparameter_difference();  // every rank saw it; the gradients stay
-  }
-  if (any_detached) {
-    // Every rank saw the flag; the names come from the ranks that have them.
-    // Nothing is updated and the gradients stay for a retry.
-    const std::string agreed = groups_->agree(detached, "detached_parameters");
-    TORCH_CHECK(false, "zeroshard: step() refused ", agreed);
-  }
-  if (loss_scaling_.record_step(overflow)) {
-    // Every rank saw the flag: nothing is updated anywhere.
-    if (param_swapper_) {
-      param_swapper_->end_iteration();
-    }
-    if (gatherer_) {
-      gatherer_->after_step();
-    }
-  } else {
+  const StepAgreement agreed = agree_on_step(detached);
+  if (!loss_scaling_.record_step(agreed.overflow)) {
     if (options_.max_norm() > 0) {
       clip_grad_norm(options_.max_norm());
     }
     try {
-      update_shards(has_grad);
+      update_shards(agreed.has_grad);
     } catch (...) {
       // Gathers launched before the failure are retired; a later gather
       // (a checkpoint load) must launch every bucket again.
@@ -76,31 +55,65 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
       throw;
     }
     gather_parameters();
+  } else {
+    skip_update();  // every rank saw the overflow: nothing is updated anywhere
   }
+  end_step();
+  return loss;
+}
+
+std::string ZeroOptimizer::Impl::begin_step() {
+  check_groups_fixed();
+  if (gatherer_) {
+    // A rank still in a forward or backward pass gets its gathers served
+    // until it arrives (see [Note: Negotiated collectives]).
+    std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
+    gatherer_->wait_for_all_ranks(AgreementBarrier::kStep);
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    // Hyper-parameters may have been edited since the last step (schedulers).
+    validate_inner_options(inner_kind_, param_groups_[g].options());
+    ensure_state_tensors(g);
+  }
+  return reattach_parameters();
+}
+
+ZeroOptimizer::Impl::StepAgreement ZeroOptimizer::Impl::agree_on_step(const std::string& detached) {
+  StepAgreement agreed;
+  bool any_detached = false;
+  agreed.has_grad = global_grad_presence(&agreed.overflow, !detached.empty(), &any_detached);
+  if (hyperparameters_differ_) {
+    raise_hyperparameter_difference();  // every rank saw it; the gradients stay
+  }
+  if (any_detached) {
+    // Every rank saw the flag; the names come from the ranks that have them.
+    // Nothing is updated and the gradients stay for a retry.
+    const std::string names = groups_->agree(detached, "detached_parameters");
+    TORCH_CHECK(false, "zeroshard: step() refused ", names);
+  }
+  return agreed;
+}
+
+void ZeroOptimizer::Impl::skip_update() {
+  if (param_swapper_) {
+    param_swapper_->end_iteration();
+  }
+  if (gatherer_) {
+    gatherer_->after_step();
+  }
+}
+
+void ZeroOptimizer::Impl::end_step() {
   groups_->shard().set_step(groups_->shard().step() + 1);
   // The step consumes the gradients.
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
-  clear_gradient_shards();
-  follow_requires_grad(/*outside_backward=*/true);
-  return loss;
+  std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
+  gradients_->clear();
+  gradients_->follow_requires_grad(/*outside_backward=*/true);
 }
 
 void ZeroOptimizer::Impl::zero_grad(bool set_to_none) {
   owner_.torch::optim::Optimizer::zero_grad(set_to_none);
-  std::lock_guard<std::recursive_mutex> lock(gradient_mutex_);
-  if (buckets_->round_open()) {
-    // Only a backward pass that failed midway (an exception, e.g. out of
-    // memory) leaves a round open here: its end-of-backward never ran.
-    buckets_->abandon_round();
-    if (hooks_) {
-      hooks_->forget_backwards();
-    }
-    if (gatherer_) {
-      gatherer_->backward_finished();
-    }
-  }
-  clear_gradient_shards();
-  unsynced_gradients_ = false;
+  gradients_->zero_grad();
 }
 
 void ZeroOptimizer::Impl::gather_parameters() {

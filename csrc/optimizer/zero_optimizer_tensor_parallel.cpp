@@ -78,17 +78,6 @@ void ZeroOptimizer::Impl::set_expert_parallel(c10::intrusive_ptr<c10d::ProcessGr
                      std::move(splits));
 }
 
-void ZeroOptimizer::Impl::gradient_arrived(size_t group, int64_t index) {
-  TORCH_CHECK_INDEX(group < param_groups_.size() && index >= 0 &&
-                        index < static_cast<int64_t>(param_groups_[group].params().size()),
-                    "gradient_arrived: no parameter ", index, " in group ", group);
-  if (!hooks_) {
-    return;  // stage 1 reduces from .grad inside step()
-  }
-  hooks_->track_current_backward();
-  on_gradient(group, index, param_groups_[group].params()[index]);
-}
-
 // ---- Checkpoints: every state is stored in its unsplit tensor's element
 // order, each piece written once (a copy by tensor-parallel rank 0), and the
 // files of every tensor-parallel rank go into one directory under one index.

@@ -1,7 +1,7 @@
 // The update of the optimizer state shards at the step: contiguous runs of
-// owned segments that share a step count, through the ATen path of
-// inner_optimizer.h or, with offload, OffloadedOptimizerState (whose NVMe
-// failures every rank raises together).
+// owned segments that share a step count, handed to the tier that holds the
+// states (ShardStorage::update: the device's ATen path, or the offloaded
+// host kernel), whose NVMe failures every rank raises together.
 #include "zero_optimizer_impl.h"
 
 #include "../checkpoint/checkpoint_detail.h"
@@ -23,22 +23,16 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
   parameter_gathers_.forget();  // none is in flight between steps
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupBuffers& shard = buffers_[g];
-    const auto& group_options = param_groups_[g].options();
     for (size_t i = 0; i < shard.steps.size(); ++i) {
       if (has_grad[g][i]) {
         shard.steps[i] += 1;
       }
     }
-    // With offload the gradient stays as reduced until the host copy. A
-    // 16-bit gradient is widened a chunk at a time below: a whole-shard fp32
-    // copy was 4 bytes per shard element on top of the model states, the
-    // largest transient of a stage 3 step.
-    const bool widen = !offloaded_ && shard.grad_shard.scalar_type() != at::kFloat;
-    std::vector<OffloadedOptimizerState::UpdateRun> runs;
     // Runs of owned segments that share a step count and a bucket are
     // updated with one call each, the padding between them included ([Note:
     // aligned slots]: zeros that stay zero); with no skipped parameters that
     // is one call per bucket.
+    std::vector<ShardStorage::UpdateRun> runs;
     const auto& segments = shard.segments;
     size_t begin = 0;
     while (begin < segments.size()) {
@@ -56,59 +50,34 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
         run_end = segments[end].shard_offset + segments[end].numel;
         ++end;
       }
-      const int64_t offset = first.shard_offset;
-      const int64_t length = run_end - offset;
+      runs.push_back({first.shard_offset, run_end - first.shard_offset, step, first.bucket_index});
       begin = end;
-      if (offloaded_) {
-        runs.push_back(OffloadedOptimizerState::UpdateRun{offset, length, step});
-        continue;
-      }
-      if (!gatherer_) {  // the buckets before this run are complete
-        launch_parameter_gathers(g, static_cast<size_t>(first.bucket_index));
-      }
-      const Bucket& bucket = layout_->group(g).buckets()[first.bucket_index];
-      at::Tensor master = master_slice(g, bucket).narrow(0, offset - bucket.shard_offset, length);
-      // The update is elementwise: chunks of a run give the values the whole
-      // run would.
-      const int64_t chunk = widen ? kShardChunkElements : length;
-      for (int64_t done = 0; done < length; done += chunk) {
-        const int64_t numel = std::min(chunk, length - done);
-        auto part = [&](const at::Tensor& t) {
-          return t.defined() ? t.narrow(0, offset + done, numel) : at::Tensor();
-        };
-        at::Tensor grad = part(shard.grad_shard);
-        ShardView view{master.narrow(0, done, numel),
-                       widen ? grad.to(at::kFloat) : grad,
-                       part(shard.state(OptimizerStateName::kExpAvg)),
-                       part(shard.state(OptimizerStateName::kExpAvgSq)),
-                       part(shard.state(OptimizerStateName::kMaxExpAvgSq)),
-                       part(shard.state(OptimizerStateName::kMomentumBuffer))};
-        apply_inner_update(inner_kind_, group_options, view, step, options_.fused());
-      }
     }
-    if (!offloaded_ && !gatherer_) {
-      // The rest of this group's buckets, before the next group's: which
-      // buckets a rank's runs fall in depends on its slice and on skipped
-      // parameters, but the order of the gathers must not.
-      launch_parameter_gathers(g, layout_->group(g).buckets().size());
+    ShardStorage::UpdateCallbacks callbacks;
+    if (!gatherer_) {
+      // Stages 1-2: [Note: gathers behind the update].
+      callbacks.buckets_updated = [this, g](size_t end) { launch_parameter_gathers(g, end); };
     }
-    if (offloaded_ && nvme_error.empty()) {
-      auto write = [this](size_t group, int64_t offset, const at::Tensor& values, bool async) {
-        write_parameter_values(group, offset, values, async);
-      };
-      if (!nvme) {
-        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
-                         options_.fused(), write);
-        continue;
-      }
-      try {
-        offloaded_->step(g, group_options, runs, shard.grad_shard, grad_shard_scale_,
-                         options_.fused(), write);
-      } catch (const c10::Error& e) {
-        nvme_error = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        nvme_error = e.what();
-      }
+    callbacks.write_parameters = [this, g](int64_t offset, const at::Tensor& values, bool async) {
+      write_parameter_values(g, offset, values, async);
+    };
+    auto update = [&] {
+      storage().update(g, param_groups_[g].options(), runs, gradients_->shard(g),
+                       gradients_->shard_scale(), options_.fused(), callbacks);
+    };
+    if (!nvme) {
+      update();
+      continue;
+    }
+    if (!nvme_error.empty()) {
+      continue;  // every rank raises it below
+    }
+    try {
+      update();
+    } catch (const c10::Error& e) {
+      nvme_error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      nvme_error = e.what();
     }
   }
   if (param_swapper_) {

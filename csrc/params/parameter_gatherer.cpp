@@ -46,7 +46,7 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
       // allocate() reuses the storage's allocator.
       bucket.full = empty_buffer(buckets[b].numel, group_options_[g]);
       bucket.persistent = buckets[b].unit == kNoUnit;
-      bucket.materialized = true;
+      bucket.residency = Residency::kResident;
       count_live(bucket, +1);
       // Free it before the next allocation, so that the buckets, filled one at
       // a time at construction, reuse one block instead of each touching its own.
@@ -58,9 +58,37 @@ ParameterGatherer::ParameterGatherer(const PartitionLayout& layout, Communicator
 
 void ParameterGatherer::ensure_allocated(size_t g, size_t b) {
   BucketState& bucket = state(g, b);
-  if (!bucket.materialized) {
+  if (bucket.residency == Residency::kReleased) {
     allocate(bucket);
   }
+}
+
+const char* ParameterGatherer::residency_name(Residency residency) {
+  switch (residency) {
+    case Residency::kReleased:
+      return "released";
+    case Residency::kGathering:
+      return "gathering";
+    case Residency::kResident:
+      return "resident";
+  }
+  return "?";
+}
+
+void ParameterGatherer::settle(BucketState& bucket) {
+  bucket.pending.wait();  // a no-op when none is in flight
+  if (bucket.residency == Residency::kGathering) {
+    bucket.residency = Residency::kResident;
+  }
+}
+
+void ParameterGatherer::start_gather(size_t g, size_t b, at::Tensor input) {
+  BucketState& bucket = state(g, b);
+  TORCH_INTERNAL_ASSERT(bucket.residency == Residency::kResident, "all-gather into ", tag(g, b),
+                        " while it is ", residency_name(bucket.residency),
+                        "; a gather needs its storage allocated and no gather in flight");
+  bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
+  bucket.residency = Residency::kGathering;
 }
 
 std::string ParameterGatherer::tag(size_t g, size_t b) const {
@@ -79,6 +107,9 @@ void ParameterGatherer::count_live(const BucketState& bucket, int64_t sign) {
 // stays valid); only its memory comes and goes. Going through the storage's
 // own allocator keeps this device-agnostic (the CUDA caching allocator on GPU).
 void ParameterGatherer::allocate(BucketState& bucket) {
+  TORCH_INTERNAL_ASSERT(bucket.residency == Residency::kReleased,
+                        "allocating a bucket's storage while it is ",
+                        residency_name(bucket.residency), "; only a released bucket has none");
   c10::StorageImpl* storage = bucket.full.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(bucket.full.numel()) * bucket.full.element_size();
   TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "bucket storage has no allocator");
@@ -87,20 +118,20 @@ void ParameterGatherer::allocate(BucketState& bucket) {
   const c10::OptionalDeviceGuard on_bucket_device(bucket.full.device());
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
-  bucket.materialized = true;
+  bucket.residency = Residency::kResident;
   count_live(bucket, +1);
 }
 
 void ParameterGatherer::release(size_t g, size_t b) {
   BucketState& bucket = state(g, b);
-  if (!bucket.materialized || bucket.persistent) {
+  if (bucket.residency == Residency::kReleased || bucket.persistent) {
     return;
   }
-  bucket.pending.wait();  // never free what a collective still writes
+  settle(bucket);  // never free what a collective still writes
   c10::StorageImpl* storage = bucket.full.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, bucket.full.device()));
   storage->set_nbytes(0);
-  bucket.materialized = false;
+  bucket.residency = Residency::kReleased;
   count_live(bucket, -1);
 }
 
@@ -138,15 +169,15 @@ void ParameterGatherer::maybe_release(size_t g, size_t b) {
 
 void ParameterGatherer::gather(size_t g, size_t b, bool wait) {
   BucketState& bucket = state(g, b);
-  if (!bucket.materialized) {
+  if (bucket.residency == Residency::kReleased) {
     // The shard first: if it cannot be had (an NVMe read fails) the bucket
     // stays released instead of looking gathered with nothing behind it.
     at::Tensor input = shard_of_(g, b);
     allocate(bucket);
-    bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
+    start_gather(g, b, input);
   }
   if (wait) {
-    bucket.pending.wait();
+    settle(bucket);
   }
 }
 
@@ -159,7 +190,7 @@ void ParameterGatherer::gather_unit(int64_t unit, bool wait) {
 int64_t ParameterGatherer::unit_missing_numel(int64_t unit) const {
   int64_t numel = 0;
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
-    if (!buckets_[g][b].materialized) {
+    if (buckets_[g][b].residency == Residency::kReleased) {
       numel += buckets_[g][b].full.numel();
     }
   }
@@ -201,7 +232,8 @@ std::vector<int64_t> ParameterGatherer::record_and_plan_prefetch(int64_t unit) {
   std::set<BucketId> planned;
   int64_t live = live_numel_;
   for (const auto& id : unit_buckets_[unit]) {
-    if (!buckets_[id.first][id.second].materialized && planned.insert(id).second) {
+    if (buckets_[id.first][id.second].residency == Residency::kReleased &&
+        planned.insert(id).second) {
       live += buckets_[id.first][id.second].full.numel();
     }
   }
@@ -214,7 +246,8 @@ std::vector<int64_t> ParameterGatherer::record_and_plan_prefetch(int64_t unit) {
     window += unit_numel_[candidate];
     int64_t missing = 0;
     for (const auto& id : unit_buckets_[candidate]) {
-      if (!buckets_[id.first][id.second].materialized && planned.count(id) == 0) {
+      if (buckets_[id.first][id.second].residency == Residency::kReleased &&
+          planned.count(id) == 0) {
         missing += buckets_[id.first][id.second].full.numel();
       }
     }
@@ -246,9 +279,9 @@ void ParameterGatherer::negotiate(std::unique_ptr<CollectiveAgreement> agreement
 void ParameterGatherer::wait_unit(int64_t unit) {
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
     BucketState& bucket = state(g, b);
-    TORCH_INTERNAL_ASSERT(bucket.materialized, "unit ", unit_names_.at(unit),
+    TORCH_INTERNAL_ASSERT(bucket.residency != Residency::kReleased, "unit ", unit_names_.at(unit),
                           " was not gathered by the agreement");
-    bucket.pending.wait();
+    settle(bucket);
   }
 }
 
@@ -265,14 +298,14 @@ void ParameterGatherer::gather_agreed(size_t g, size_t b) {
     // a re-gather would overwrite a modifier rank's edits with the shards.
     return;
   }
-  if (!bucket.materialized) {
+  if (bucket.residency == Residency::kReleased) {
     gather(g, b, /*wait=*/false);
     return;
   }
-  bucket.pending.wait();
+  settle(bucket);
   const int64_t shard_numel = layout_.group(g).buckets()[b].shard_numel;
-  at::Tensor own = bucket.full.narrow(0, comm_.rank() * shard_numel, shard_numel);
-  comm_.all_gather(bucket.full, own, tag(g, b)).wait();
+  start_gather(g, b, bucket.full.narrow(0, comm_.rank() * shard_numel, shard_numel));
+  settle(bucket);
 }
 
 Agreement ParameterGatherer::run_agreement(AgreementRequest request) {
@@ -294,7 +327,7 @@ Agreement ParameterGatherer::run_agreement(AgreementRequest request) {
       // here. Every rank still issues one all-gather per agreed bucket, in
       // the same order.
       for (const auto& [g, b] : unit_buckets_.at(unit)) {
-        state(g, b).pending.wait();
+        settle(state(g, b));
         maybe_release(g, b);
       }
     }
@@ -411,7 +444,8 @@ void ParameterGatherer::pre_backward(int64_t unit, bool create_graph) {
   // backward pass counts as a use.
   bool already_held = true;
   for (const auto& [g, b] : unit_buckets_.at(unit)) {
-    already_held = already_held && state(g, b).backward_hold && state(g, b).materialized;
+    already_held =
+        already_held && state(g, b).backward_hold && state(g, b).residency != Residency::kReleased;
   }
   if (already_held) {
     return;
@@ -468,7 +502,7 @@ void ParameterGatherer::pin_for_initialization(const std::vector<BucketId>& buck
   for (const auto& [g, b] : buckets) {
     BucketState& bucket = state(g, b);
     if (!bucket.initialized) {
-      if (!bucket.materialized) {
+      if (bucket.residency == Residency::kReleased) {
         allocate(bucket);
       }
       bucket.full.zero_();
@@ -493,11 +527,10 @@ void ParameterGatherer::after_step() {
       BucketState& bucket = buckets_[g][b];
       bucket.backward_hold = false;
       bucket.graph_hold = false;
-      bucket.pending.wait();
+      settle(bucket);
       if (bucket.persistent || bucket.pins > 0 || bucket.forward_refs > 0) {
         // Still in use: refresh its values from the updated shards.
-        at::Tensor input = shard_of_(g, b);
-        bucket.pending = comm_.all_gather(bucket.full, input, tag(g, b));
+        start_gather(g, b, shard_of_(g, b));
       } else {
         release(g, b);
       }
@@ -505,7 +538,7 @@ void ParameterGatherer::after_step() {
   }
   for (auto& group : buckets_) {
     for (auto& bucket : group) {
-      bucket.pending.wait();
+      settle(bucket);
     }
   }
   previous_order_ = std::move(current_order_);

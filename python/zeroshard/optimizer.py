@@ -461,8 +461,20 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
                 "ZeroOptimizer(max_norm=...) instead, which clips inside step() after the unscale"
             )
         if not unscaled:
-            scale = scaler.get_scale()
-            self._impl.scale_gradients(torch.tensor(1.0 / scale, dtype=torch.float64))
+            self._unscale_shards(scaler._scale.double().reciprocal())
+        self._impl.check_next_step_for_overflow()
+
+    @property
+    def _gradients_in_shards(self) -> bool:
+        """Whether backward leaves the gradients in the shards, not ``.grad``
+        (stages 2-3): where ``GradScaler.unscale_`` is routed here."""
+        return self._stage >= 2
+
+    def _unscale_shards(self, inv_scale: torch.Tensor) -> None:
+        """Reduces the gradients (if not yet) and multiplies the averaged
+        gradient shards by ``inv_scale`` (a tensor: no host sync); the coming
+        step checks them for inf/NaN ([Note: GradScaler's unscale_ routed])."""
+        self._impl.scale_gradients(inv_scale)
         self._impl.check_next_step_for_overflow()
 
     def _record_found_inf(self, scaler: torch.amp.GradScaler) -> None:

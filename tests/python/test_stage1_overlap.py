@@ -1,6 +1,6 @@
 """Stage 1 reduces during backward (overlap_comm) and still equals torch.optim.
 
-See [Note: stage 1 overlap] in csrc/optimizer/zero_optimizer_gradients.cpp: the hooks
+See [Note: stage 1 overlap] in csrc/grads/gradient_reduction.cpp: the hooks
 copy each gradient into the buckets during backward while .grad stays as it
 was; a second backward before the step, or any change to a .grad after its
 hook, makes step() reduce from .grad instead. Each case runs on 2 and 3 ranks

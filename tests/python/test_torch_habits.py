@@ -368,3 +368,68 @@ def test_torch_clip_refuses_what_it_cannot_clip_as_torch_and_leaves_the_rest_alo
         assert outcomes["another_model"] == ("norm", pytest.approx(outcomes["other_norm"]))
         assert outcomes["everything"] == ("norm", outcomes["optimizer_norm"])
         assert outcomes["optimizer_norm"] > 0
+
+
+# ---- a backward after the gradients were reduced ------------------------------------
+
+
+def _backward_after_clip(
+    rank: int, world: int, stage: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    model = _model(rank, "none")
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), "adamw", stage=stage, module=model, lr=0.05, **extra
+    )
+    x, y = _batch(0, rank, world)
+    nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # reduces the gradients
+    nn.functional.mse_loss(model(x), y).backward()  # too late: they are averaged
+    error = ""
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        error = str(e)
+    # zero_grad starts the step's gradients again; the next step is the
+    # first step of a fresh run on the same batch.
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    if stage == 3:
+        with optimizer.gathered_parameters():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"error": error, "params": params}
+
+
+def _one_ddp_step(rank: int, world: int) -> dict[str, torch.Tensor]:
+    model = _model(rank, "none")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x, y = _batch(0, rank, world)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "stage,extra",
+    [(1, {}), (1, {"stage1_reduce_in_backward": True}), (2, {}), (3, {})],
+    ids=["stage1", "stage1-overlap", "stage2", "stage3"],
+)
+def test_a_backward_after_the_clip_raises_on_every_rank(stage: int, extra: dict) -> None:
+    # Without the check the second backward's gradients were added, as sums,
+    # onto the averaged shard (stages 2-3) or dropped (stage 1): a silent
+    # wrong step. DDP would step clip(g1) + g2; zeroshard cannot, and says so.
+    world = 2
+    results = unwrap(run_ranks(world, _backward_after_clip, stage, extra))
+    reference = unwrap(run_ranks(world, _one_ddp_step))[0]
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result['error'][:120]}")
+        assert "after the gradients were reduced" in result["error"], (rank, result["error"])
+        assert "zero_grad()" in result["error"]
+    for rank, result in enumerate(results[1:], start=1):
+        assert _distance(result["params"], results[0]["params"]) == 0.0, rank
+    diff = _distance(results[0]["params"], reference)
+    print(f"stage {stage}: after zero_grad, one step is {diff:.3e} from DDP's")
+    assert diff <= TOLERANCE

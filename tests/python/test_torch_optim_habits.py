@@ -261,7 +261,12 @@ def _batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.T
 
 
 def _scaled_loop(
-    model: nn.Module, optimizer: Any, rank: int, world_size: int, steps: int
+    model: nn.Module,
+    optimizer: Any,
+    rank: int,
+    world_size: int,
+    steps: int,
+    clip: float | None = None,
 ) -> list[float]:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     scales = []
@@ -274,23 +279,29 @@ def _scaled_loop(
         if step == INF_STEP and rank == 1:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
+        if clip is not None:
+            # torch's recipe: unscale, then clip the unscaled gradients.
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
     return scales
 
 
-def _grad_scaler(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+def _grad_scaler(
+    rank: int, world_size: int, stage: int, clip: float | None = None
+) -> dict[str, Any]:
     reference = _small_model(0)
     ddp = nn.parallel.DistributedDataParallel(reference)
     reference_scales = _scaled_loop(
-        ddp, torch.optim.AdamW(reference.parameters(), lr=1e-2), rank, world_size, STEPS
+        ddp, torch.optim.AdamW(reference.parameters(), lr=1e-2), rank, world_size, STEPS, clip
     )
     model = _small_model(rank)
     optimizer = zeroshard.ZeroOptimizer(
         model.parameters(), "adamw", stage=stage, lr=1e-2, module=model, **RELEASED
     )
-    scales = _scaled_loop(model, optimizer, rank, world_size, STEPS)
+    scales = _scaled_loop(model, optimizer, rank, world_size, STEPS, clip)
     return {
         "reference": snapshot(reference),
         "reference_scales": reference_scales,
@@ -310,6 +321,27 @@ def test_grad_scaler_skips_an_inf_step_on_every_rank_as_ddp_does(stage: int) -> 
         assert r["skipped"] == 1
     assert_ranks_match_reference(
         [r["params"] for r in results], results[0]["reference"], TOLERANCE, f"scaler {stage}"
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_scaler_unscale_then_torch_clip_matches_ddp(stage: int) -> None:
+    # scaler.unscale_(optimizer) reaches the gradient shards at stages 2-3
+    # ([Note: GradScaler's unscale_ routed]); the clip then sees the unscaled
+    # global norm, as DDP's does. A clip of 0.05 clips every step here.
+    results = unwrap(run_ranks(2, _grad_scaler, stage, 0.05))
+    unclipped = unwrap(run_ranks(2, _grad_scaler, stage, None))
+    for r in results:
+        assert r["scales"] == r["reference_scales"], (r["scales"], r["reference_scales"])
+        assert r["skipped"] == 1
+    clip_effect = max(
+        float((results[0]["reference"][k] - unclipped[0]["reference"][k]).abs().max())
+        for k in results[0]["reference"]
+    )
+    print(f"stage {stage}: the clip moves DDP's weights by {clip_effect:.3e}")
+    assert clip_effect > 1e-3
+    assert_ranks_match_reference(
+        [r["params"] for r in results], results[0]["reference"], TOLERANCE, f"clip {stage}"
     )
 
 

@@ -256,12 +256,13 @@ def test_bytes_per_step_equal_stage2_theory(trained) -> None:
         assert stats["all_gather_bytes"] == padded
         # One int32 flag per parameter (had a gradient), the overflow flag,
         # the detached-parameter flag, the hyper-parameters' hash and its
-        # complement; and this first step only, the buckets' launch order
-        # (rank 0's, two int64 per bucket over the host channel).
+        # complement; and this first step only, a broadcast of the buckets'
+        # launch order (rank 0's, two int64 per bucket over the host channel).
         order = [e for e in m["log"] if e[0] == "launch" and e[3] == "bucket_order"]
         buckets = sum(1 for e in m["log"] if e[0] == "launch" and e[1] == "reduce_scatter")
-        assert [e[2] for e in order] == [16 * buckets], order
-        assert stats["all_reduce_bytes"] == (m["num_params"] + 4) * 4 + 16 * buckets
+        assert [(e[1], e[2]) for e in order] == [("broadcast", 16 * buckets)], order
+        assert stats["all_reduce_bytes"] == (m["num_params"] + 4) * 4
+        assert stats["broadcast_bytes"] == 16 * buckets
 
 
 def _train_with_collectives(rank: int, world_size: int, stage: int, broadcasts: bool, a2a: bool):

@@ -80,12 +80,14 @@ class OffloadedOptimizerState final : public ShardStorage {
   int64_t bytes(StateTier tier) const override;
   c10::Device home_device() const override { return c10::Device(c10::kCPU); }
 
-  // One contiguous range of a group's shard whose elements share a step count.
-  struct UpdateRun {
-    int64_t offset = 0;
-    int64_t length = 0;
-    int64_t step = 0;
-  };
+  void update(size_t group, const torch::optim::OptimizerOptions& options,
+              const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
+              bool fused, const UpdateCallbacks& callbacks) override {
+    step(group, options, runs, grad_shard, grad_scale, fused,
+         [&callbacks](size_t, int64_t offset, const at::Tensor& values, bool async) {
+           callbacks.write_parameters(offset, values, async);
+         });
+  }
   // Updates group `group` over `runs` (sorted by offset): gradient =
   // grad_shard * grad_scale, then write_parameters with each run's new
   // parameter values. Returns when every copy has completed.

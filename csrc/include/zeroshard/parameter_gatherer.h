@@ -80,7 +80,7 @@ class ParameterGatherer {
   // storage is empty while the bucket is released.
   at::Tensor& full(size_t group, size_t bucket) { return state(group, bucket).full; }
   bool materialized(size_t group, size_t bucket) const {
-    return buckets_[group][bucket].materialized;
+    return buckets_[group][bucket].residency != Residency::kReleased;
   }
   bool persistent(size_t group, size_t bucket) const { return buckets_[group][bucket].persistent; }
 
@@ -143,17 +143,29 @@ class ParameterGatherer {
 
   // Allocates a released bucket's storage without filling it.
   void ensure_allocated(size_t group, size_t bucket);
-  // Frees a materialized bucket now (no reference may hold it).
+  // Frees a resident bucket now (no reference may hold it).
   void release(size_t group, size_t bucket);
   // Allocates and all-gathers one bucket; waits when `wait`.
   void gather(size_t group, size_t bucket, bool wait);
 
  private:
+  // [Note: a bucket's residency]
+  // kReleased: its storage holds no memory (every view stays valid and reads
+  // nothing). kGathering: storage allocated, an all-gather in flight writes
+  // it (`pending`); nothing may read or free it before settle(). kResident:
+  // it holds values (gathered, or written at construction or
+  // initialization). allocate() takes kReleased to kResident, gather()
+  // kReleased (or, re-sent, kResident) to kGathering, settle() kGathering to
+  // kResident, release() any state to kReleased, settling first. Each
+  // transition checks where it starts.
+  enum class Residency { kReleased, kGathering, kResident };
+  static const char* residency_name(Residency residency);
+
   struct BucketState {
     at::Tensor full;  // 1D, bucket.numel
     bool persistent = false;
-    bool materialized = false;
-    PendingCollective pending;  // all-gather in flight
+    Residency residency = Residency::kReleased;
+    PendingCollective pending;  // the all-gather while kGathering
     int64_t forward_refs = 0;
     bool backward_hold = false;
     bool graph_hold = false;  // see pre_backward's create_graph
@@ -178,6 +190,10 @@ class ParameterGatherer {
   void gather_agreed(size_t group, size_t bucket);
   int64_t unit_missing_numel(int64_t unit) const;
   void allocate(BucketState& bucket);
+  // Issues the all-gather of this rank's `input` into the bucket's storage.
+  void start_gather(size_t group, size_t bucket, at::Tensor input);
+  // Waits for the bucket's all-gather, if one is in flight.
+  static void settle(BucketState& bucket);
   void count_live(const BucketState& bucket, int64_t sign);
   std::string tag(size_t group, size_t bucket) const;
 

@@ -10,9 +10,10 @@
 // where a state lives; each tier answers for itself (the device tier knows
 // that an fp32 model's master values are slices of its parameters, the
 // offloaded one which sub-groups sit on NVMe). Which states exist is
-// inner_optimizer_states' answer (inner_optimizer.h). Only the update itself
-// is each tier's own: the ATen path on device shards, the fused host kernel
-// on offloaded ones.
+// inner_optimizer_states' answer (inner_optimizer.h). The update has one
+// entry, update(), and each tier does it its own way: the ATen path on
+// device shards, the fused host kernel on offloaded ones; no caller asks
+// which.
 #pragma once
 
 #include "zeroshard/optimizer_states.h"
@@ -21,9 +22,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace zeroshard {
@@ -63,6 +66,32 @@ class ShardStorage {
   // Where a copy of a state lands by default: the device the states are
   // used on (the training device; the host for offloaded ones).
   virtual c10::Device home_device() const = 0;
+
+  // ---- The update ----
+  // One contiguous range of a group's shard whose elements share a step
+  // count, inside one bucket of the layout.
+  struct UpdateRun {
+    int64_t offset = 0;
+    int64_t length = 0;
+    int64_t step = 0;
+    int64_t bucket = 0;
+  };
+  struct UpdateCallbacks {
+    // The runs of buckets below `end` are updated: their parameters may be
+    // gathered. The device tier calls it as its update moves past each
+    // bucket, and with every bucket at the end of the group.
+    std::function<void(size_t end)> buckets_updated;
+    // Offloaded tiers: a run's new values, in the parameters' dtype, for the
+    // copy of the parameters the device uses (may copy asynchronously; the
+    // update returns when every copy has completed).
+    std::function<void(int64_t offset, const at::Tensor& values, bool async)> write_parameters;
+  };
+  // Applies the update rule to `runs` of group `group` (sorted by offset):
+  // gradient = grad_shard * grad_scale (the device tier's shard is already
+  // averaged: grad_scale 1).
+  virtual void update(size_t group, const torch::optim::OptimizerOptions& options,
+                      const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
+                      double grad_scale, bool fused, const UpdateCallbacks& callbacks) = 0;
 
   // Calls fn(offset, values) over [offset, offset + length) of `name`, at
   // most kShardChunkElements at a time (fp32 copies on `options`' device):

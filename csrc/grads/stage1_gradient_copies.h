@@ -1,7 +1,7 @@
 // Stage 1 with overlap: the .grad tensors the gradient hooks copied into the
 // buckets this step, and whether those copies are still what .grad holds
-// ([Note: stage 1 overlap] in zero_optimizer_gradients.cpp). Internal to
-// csrc/optimizer/.
+// ([Note: stage 1 overlap] in gradient_reduction.cpp). Internal to
+// csrc/grads/.
 #pragma once
 
 #include <ATen/core/Tensor.h>
