@@ -1,5 +1,6 @@
 // The DeepSpeed config and the Engine for Python (python/zeroshard/engine.py).
 #include "zeroshard/engine.h"
+#include "zeroshard/text.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -13,13 +14,6 @@ namespace py = pybind11;
 
 namespace zeroshard {
 namespace {
-
-std::string lowercase(std::string text) {
-  for (auto& c : text) {
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
-  return text;
-}
 
 // The keyword arguments python/zeroshard/optimizer.py's ZeroOptimizer takes
 // for this config: the inner optimizer, its hyper-parameters, ZeRO options.
