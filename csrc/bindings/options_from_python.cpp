@@ -52,20 +52,38 @@ void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptio
 
 std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind kind,
                                                              const py::dict& values) {
-  std::unique_ptr<torch::optim::OptimizerOptions> options;
-  switch (kind) {
-    case InnerOptimizerKind::kAdam:
-      options = std::make_unique<torch::optim::AdamOptions>();
-      break;
-    case InnerOptimizerKind::kAdamW:
-      options = std::make_unique<torch::optim::AdamWOptions>();
-      break;
-    case InnerOptimizerKind::kSGD:
-      options = std::make_unique<torch::optim::SGDOptions>(0.0);
-      break;
-  }
+  std::unique_ptr<torch::optim::OptimizerOptions> options = default_inner_options(kind);
   apply_hyperparameters(kind, *options, values);
   return options;
+}
+
+// torch.optim's order of the keys (the param_groups' order), values from
+// default_inner_options.
+py::dict inner_optimizer_default_dicts() {
+  py::dict out;
+  auto adam_like = [](const auto& o) {
+    py::dict d;
+    d["lr"] = o.lr();
+    d["betas"] = py::make_tuple(std::get<0>(o.betas()), std::get<1>(o.betas()));
+    d["eps"] = o.eps();
+    d["weight_decay"] = o.weight_decay();
+    d["amsgrad"] = o.amsgrad();
+    return d;
+  };
+  const auto adam = default_inner_options(InnerOptimizerKind::kAdam);
+  const auto adamw = default_inner_options(InnerOptimizerKind::kAdamW);
+  const auto sgd_options = default_inner_options(InnerOptimizerKind::kSGD);
+  out["adam"] = adam_like(static_cast<const torch::optim::AdamOptions&>(*adam));
+  out["adamw"] = adam_like(static_cast<const torch::optim::AdamWOptions&>(*adamw));
+  const auto& o = static_cast<const torch::optim::SGDOptions&>(*sgd_options);
+  py::dict sgd;
+  sgd["lr"] = o.lr();
+  sgd["momentum"] = o.momentum();
+  sgd["dampening"] = o.dampening();
+  sgd["weight_decay"] = o.weight_decay();
+  sgd["nesterov"] = o.nesterov();
+  out["sgd"] = sgd;
+  return out;
 }
 
 // An offload section (offload_optimizer / offload_param) from the Python

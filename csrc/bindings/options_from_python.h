@@ -20,6 +20,9 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind 
                                                              const pybind11::dict& values);
 ZeroOptions zero_options_from(const pybind11::dict& values);
 pybind11::dict zero_option_defaults();
+// Each inner optimizer's hyper-parameters with their defaults
+// (default_inner_options in inner_optimizer.h), by optimizer name.
+pybind11::dict inner_optimizer_default_dicts();
 pybind11::dict zero_option_docs();
 // [Note: one list of the offload keys] (offload_options.h) for Python: an
 // offload section and the aio section as dicts, and each section's keys with
