@@ -14,7 +14,8 @@ divided by the baseline's step time in the same step, with the 25th and 75th
 percentiles of that ratio, and the median time of each phase (forward,
 backward, optimizer step) on rank 0. A step's time runs from a barrier to a
 barrier, so it is the slowest rank's. Memory is run_benchmarks.py's business.
-Results: benchmarks/results/paired.md (and paired.json: every round's figures, rank 0).
+Results: <out>.md and <out>.json (every round's figures, rank 0), by default
+benchmarks/results/paired; the kept runs are listed in benchmarks/results/README.md.
 """
 
 from __future__ import annotations

@@ -136,7 +136,13 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_estimator(m);
   m.def("zero_option_defaults", &zeroshard::zero_option_defaults,
         "The defaults of ZeroOptions' scalar options, by name.");
-  m.attr("OFFLOAD_PARAM_BUFFER_COUNT") = zeroshard::kOffloadParamBufferCount;
+  m.def("inner_optimizer_defaults", &zeroshard::inner_optimizer_default_dicts,
+        "Each inner optimizer's hyper-parameters with torch.optim's defaults, by optimizer.");
+  m.def("offload_option_keys", &zeroshard::offload_option_keys,
+        "The keys of the offload_optimizer, offload_param and aio sections with their "
+        "defaults, by section.");
+  m.def("offload_ignored_keys", &zeroshard::offload_ignored_keys,
+        "DeepSpeed's keys each section accepts and does not use, by section.");
   m.def("zero_option_docs", &zeroshard::zero_option_docs,
         "One-line descriptions of ZeroOptions' scalar options, by name.");
   m.def(

@@ -1,10 +1,12 @@
 // The DeepSpeed config and the Engine for Python (python/zeroshard/engine.py).
 #include "zeroshard/engine.h"
+#include "zeroshard/text.h"
 
 #include <torch/csrc/utils/pybind.h>
 
 // After torch's pybind11 setup above.
 #include "checkpoint_bindings.h"
+#include "options_from_python.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
@@ -13,13 +15,6 @@ namespace py = pybind11;
 
 namespace zeroshard {
 namespace {
-
-std::string lowercase(std::string text) {
-  for (auto& c : text) {
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
-  return text;
-}
 
 // The keyword arguments python/zeroshard/optimizer.py's ZeroOptimizer takes
 // for this config: the inner optimizer, its hyper-parameters, ZeRO options.
@@ -36,32 +31,10 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
   zero["skip_nonfinite_steps"] = options.skip_nonfinite_steps();
   zero["reduce_in_fp32"] = options.reduce_in_fp32();
   zero["sub_group_size"] = options.sub_group_size();
-  py::dict aio;
-  aio["block_size"] = options.aio().block_size();
-  aio["queue_depth"] = options.aio().queue_depth();
-  aio["intra_op_parallelism"] = options.aio().intra_op_parallelism();
-  aio["single_submit"] = options.aio().single_submit();
-  aio["overlap_events"] = options.aio().overlap_events();
-  zero["aio"] = aio;
-  for (const auto& [key, offload] :
-       {std::pair<const char*, OffloadOptions>{"offload_optimizer", options.offload_optimizer()},
-        std::pair<const char*, OffloadOptions>{"offload_param", options.offload_param()}}) {
-    py::dict section;
-    section["device"] = offload_device_name(offload.device());
-    section["pin_memory"] = offload.pin_memory();
-    section["buffer_count"] = offload.buffer_count();
-    section["nvme_path"] = offload.nvme_path();
-    if (std::string(key) == "offload_optimizer") {
-      section["ratio"] = offload.ratio();
-      section["pipeline_read"] = offload.pipeline_read();
-      section["pipeline_write"] = offload.pipeline_write();
-      section["swap_gradients"] = offload.swap_gradients();
-    } else {
-      section["buffer_size"] = offload.buffer_size();
-      section["max_in_cpu"] = offload.max_in_cpu();
-    }
-    zero[key] = section;
-  }
+  zero["aio"] = aio_dict(options.aio());
+  zero["offload_optimizer"] =
+      offload_section_dict(options.offload_optimizer(), kOffloadOptimizerSection);
+  zero["offload_param"] = offload_section_dict(options.offload_param(), kOffloadParamSection);
   py::dict hyper;
   const auto& p = config.optimizer_params;
   const std::string kind = lowercase(config.optimizer_type);

@@ -13,12 +13,15 @@ namespace py = pybind11;
 namespace zeroshard {
 namespace {
 
-EstimateOptions estimate_options(double num_params, double largest_unit_params, int64_t world_size,
-                                 int64_t ranks_per_node, const std::string& precision,
-                                 const std::string& optimizer, const std::string& offload_optimizer,
-                                 const std::string& offload_param, double offload_ratio = 1.0,
-                                 double sub_group_size = 1e9, int64_t nvme_buffer_count = 4,
-                                 double param_max_in_cpu = 1e9, int64_t param_buffer_count = 5) {
+EstimateOptions estimate_options(
+    double num_params, double largest_unit_params, int64_t world_size, int64_t ranks_per_node,
+    const std::string& precision, const std::string& optimizer,
+    const std::string& offload_optimizer, const std::string& offload_param,
+    double offload_ratio = EstimateOptions().offload_ratio(),
+    double sub_group_size = EstimateOptions().sub_group_size(),
+    int64_t nvme_buffer_count = EstimateOptions().nvme_buffer_count(),
+    double param_max_in_cpu = EstimateOptions().param_max_in_cpu(),
+    int64_t param_buffer_count = EstimateOptions().param_buffer_count()) {
   return EstimateOptions()
       .nvme_buffer_count(nvme_buffer_count)
       .param_max_in_cpu(param_max_in_cpu)
@@ -54,6 +57,9 @@ py::dict estimate_dict(const MemoryEstimate& e) {
 }  // namespace
 
 void bind_estimator(py::module_& m) {
+  // The defaults of the settings a caller may leave out: EstimateOptions',
+  // which are ZeroOptions' and OffloadOptions' own.
+  const EstimateOptions defaults;
   m.def(
       "estimate_memory",
       [](int64_t stage, double num_params, double largest_unit_params, int64_t world_size,
@@ -82,14 +88,45 @@ void bind_estimator(py::module_& m) {
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
-      py::arg("offload_optimizer"), py::arg("offload_param"), py::arg("offload_ratio") = 1.0,
-      py::arg("sub_group_size") = 1e9, py::arg("nvme_buffer_count") = 4,
-      py::arg("param_max_in_cpu") = 1e9, py::arg("param_buffer_count") = 5,
-      py::arg("tensor_parallel_size") = 1, py::arg("pipeline_parallel_size") = 1,
-      py::arg("activation_bytes") = 0.0, py::arg("reduce_bucket_size") = 5e6,
-      py::arg("max_buckets_in_flight") = 2, py::arg("prefetch_bucket_size") = 5e7,
-      py::arg("host_device") = false, py::arg("max_live_parameters") = 1e9,
-      py::arg("reduce_in_fp32") = false, py::arg("swap_gradients") = false);
+      py::arg("offload_optimizer"), py::arg("offload_param"),
+      py::arg("offload_ratio") = defaults.offload_ratio(),
+      py::arg("sub_group_size") = defaults.sub_group_size(),
+      py::arg("nvme_buffer_count") = defaults.nvme_buffer_count(),
+      py::arg("param_max_in_cpu") = defaults.param_max_in_cpu(),
+      py::arg("param_buffer_count") = defaults.param_buffer_count(),
+      py::arg("tensor_parallel_size") = defaults.tensor_parallel_size(),
+      py::arg("pipeline_parallel_size") = defaults.pipeline_parallel_size(),
+      py::arg("activation_bytes") = defaults.activation_bytes(),
+      py::arg("reduce_bucket_size") = defaults.reduce_bucket_size(),
+      py::arg("max_buckets_in_flight") = defaults.max_buckets_in_flight(),
+      py::arg("prefetch_bucket_size") = defaults.prefetch_bucket_size(),
+      py::arg("host_device") = defaults.host_device(),
+      py::arg("max_live_parameters") = defaults.max_live_parameters(),
+      py::arg("reduce_in_fp32") = defaults.reduce_in_fp32(),
+      py::arg("swap_gradients") = defaults.swap_gradients());
+  m.def(
+      "estimate_defaults",
+      [defaults] {
+        py::dict out;
+        out["offload_ratio"] = defaults.offload_ratio();
+        out["sub_group_size"] = defaults.sub_group_size();
+        out["nvme_buffer_count"] = defaults.nvme_buffer_count();
+        out["param_max_in_cpu"] = defaults.param_max_in_cpu();
+        out["param_buffer_count"] = defaults.param_buffer_count();
+        out["tensor_parallel_size"] = defaults.tensor_parallel_size();
+        out["pipeline_parallel_size"] = defaults.pipeline_parallel_size();
+        out["activation_bytes"] = defaults.activation_bytes();
+        out["reduce_bucket_size"] = defaults.reduce_bucket_size();
+        out["max_buckets_in_flight"] = defaults.max_buckets_in_flight();
+        out["prefetch_bucket_size"] = defaults.prefetch_bucket_size();
+        out["host_device"] = defaults.host_device();
+        out["max_live_parameters"] = defaults.max_live_parameters();
+        out["reduce_in_fp32"] = defaults.reduce_in_fp32();
+        out["swap_gradients"] = defaults.swap_gradients();
+        return out;
+      },
+      "estimate_memory's defaults (zeroshard::EstimateOptions', which are the options' own), "
+      "by argument name, for python/zeroshard/estimator.py's signature.");
   m.def(
       "estimate_activation_bytes",
       [](int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t sequence_length,

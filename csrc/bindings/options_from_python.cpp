@@ -52,52 +52,59 @@ void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptio
 
 std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind kind,
                                                              const py::dict& values) {
-  std::unique_ptr<torch::optim::OptimizerOptions> options;
-  switch (kind) {
-    case InnerOptimizerKind::kAdam:
-      options = std::make_unique<torch::optim::AdamOptions>();
-      break;
-    case InnerOptimizerKind::kAdamW:
-      options = std::make_unique<torch::optim::AdamWOptions>();
-      break;
-    case InnerOptimizerKind::kSGD:
-      options = std::make_unique<torch::optim::SGDOptions>(0.0);
-      break;
-  }
+  std::unique_ptr<torch::optim::OptimizerOptions> options = default_inner_options(kind);
   apply_hyperparameters(kind, *options, values);
   return options;
 }
 
+// torch.optim's order of the keys (the param_groups' order), values from
+// default_inner_options.
+py::dict inner_optimizer_default_dicts() {
+  py::dict out;
+  auto adam_like = [](const auto& o) {
+    py::dict d;
+    d["lr"] = o.lr();
+    d["betas"] = py::make_tuple(std::get<0>(o.betas()), std::get<1>(o.betas()));
+    d["eps"] = o.eps();
+    d["weight_decay"] = o.weight_decay();
+    d["amsgrad"] = o.amsgrad();
+    return d;
+  };
+  const auto adam = default_inner_options(InnerOptimizerKind::kAdam);
+  const auto adamw = default_inner_options(InnerOptimizerKind::kAdamW);
+  const auto sgd_options = default_inner_options(InnerOptimizerKind::kSGD);
+  out["adam"] = adam_like(static_cast<const torch::optim::AdamOptions&>(*adam));
+  out["adamw"] = adam_like(static_cast<const torch::optim::AdamWOptions&>(*adamw));
+  const auto& o = static_cast<const torch::optim::SGDOptions&>(*sgd_options);
+  py::dict sgd;
+  sgd["lr"] = o.lr();
+  sgd["momentum"] = o.momentum();
+  sgd["dampening"] = o.dampening();
+  sgd["weight_decay"] = o.weight_decay();
+  sgd["nesterov"] = o.nesterov();
+  out["sgd"] = sgd;
+  return out;
+}
+
 // An offload section (offload_optimizer / offload_param) from the Python
-// layer's dict, keys already checked there.
+// layer's dict, keys already checked there ([Note: one list of the offload
+// keys] in offload_options.h; the ignored DeepSpeed keys are dropped there).
 OffloadOptions offload_options_from(const py::dict& values) {
   OffloadOptions options;
   for (const auto& item : values) {
     const auto key = item.first.cast<std::string>();
     const py::handle value = item.second;
-    if (key == "device") {
+    bool known = key == "device";
+    if (known) {
       options.device(parse_offload_device(value.cast<std::string>()));
-    } else if (key == "pin_memory") {
-      options.pin_memory(value.cast<bool>());
-    } else if (key == "ratio") {
-      options.ratio(value.cast<double>());
-    } else if (key == "buffer_count") {
-      options.buffer_count(value.cast<int64_t>());
-    } else if (key == "buffer_size") {
-      options.buffer_size(value.cast<int64_t>());
-    } else if (key == "max_in_cpu") {
-      options.max_in_cpu(value.cast<int64_t>());
-    } else if (key == "nvme_path") {
-      options.nvme_path(value.cast<std::string>());
-    } else if (key == "pipeline_read") {
-      options.pipeline_read(value.cast<bool>());
-    } else if (key == "pipeline_write") {
-      options.pipeline_write(value.cast<bool>());
-    } else if (key == "swap_gradients") {
-      options.swap_gradients(value.cast<bool>());
-    } else {
-      TORCH_CHECK_TYPE(false, "unknown offload option '", key, "'");
     }
+    for_each_offload_option(options, [&](const OffloadOptionInfo& info, auto& field) {
+      if (key == info.name) {
+        field = value.cast<std::decay_t<decltype(field)>>();
+        known = true;
+      }
+    });
+    TORCH_CHECK_TYPE(known, "unknown offload option '", key, "'");
   }
   return options;
 }
@@ -105,28 +112,76 @@ OffloadOptions offload_options_from(const py::dict& values) {
 // DeepSpeed's "aio" section from the Python layer's dict.
 AioOptions aio_options_from(const py::dict& values) {
   AioOptions options;
+  std::string expected;
+  for_each_aio_option(options, [&](const AioOptionInfo& info, const auto&) {
+    expected += (expected.empty() ? "" : ", ") + std::string(info.name);
+  });
   for (const auto& item : values) {
     const auto key = item.first.cast<std::string>();
     const py::handle value = item.second;
-    if (key == "block_size") {
-      options.block_size(value.cast<int64_t>());
-    } else if (key == "queue_depth") {
-      options.queue_depth(value.cast<int64_t>());
-    } else if (key == "intra_op_parallelism" || key == "thread_count") {
-      options.intra_op_parallelism(value.cast<int64_t>());
-    } else if (key == "single_submit") {
-      options.single_submit(value.cast<bool>());
-    } else if (key == "overlap_events") {
-      options.overlap_events(value.cast<bool>());
-    } else if (key == "use_io_uring") {
-      options.use_io_uring(value.cast<bool>());
-    } else {
-      TORCH_CHECK_TYPE(false, "unknown aio option '", key,
-                       "'; expected block_size, queue_depth, intra_op_parallelism, "
-                       "single_submit, overlap_events or use_io_uring");
-    }
+    bool known = false;
+    for_each_aio_option(options, [&](const AioOptionInfo& info, auto& field) {
+      if (key == info.name || (*info.alias != '\0' && key == info.alias)) {
+        field = value.cast<std::decay_t<decltype(field)>>();
+        known = true;
+      }
+    });
+    TORCH_CHECK_TYPE(known, "unknown aio option '", key, "'; expected one of ", expected);
   }
   return options;
+}
+
+py::dict offload_section_dict(const OffloadOptions& options, unsigned section) {
+  py::dict out;
+  out["device"] = offload_device_name(options.device());
+  for_each_offload_option(options, [&](const OffloadOptionInfo& info, const auto& value) {
+    if ((info.sections & section) != 0) {
+      out[info.name] = value;
+    }
+  });
+  return out;
+}
+
+py::dict aio_dict(const AioOptions& options) {
+  py::dict out;
+  for_each_aio_option(
+      options, [&](const AioOptionInfo& info, const auto& value) { out[info.name] = value; });
+  return out;
+}
+
+py::dict offload_option_keys() {
+  py::dict out;
+  for (const auto& [name, section] :
+       {std::pair<const char*, OffloadSection>{"offload_optimizer", kOffloadOptimizerSection},
+        std::pair<const char*, OffloadSection>{"offload_param", kOffloadParamSection}}) {
+    out[name] = offload_section_dict(offload_section_defaults(section), section);
+  }
+  const AioOptions aio_defaults;
+  py::dict aio = aio_dict(aio_defaults);
+  for_each_aio_option(aio_defaults, [&](const AioOptionInfo& info, const auto& value) {
+    if (*info.alias != '\0') {
+      aio[info.alias] = value;
+    }
+  });
+  out["aio"] = aio;
+  return out;
+}
+
+py::dict offload_ignored_keys() {
+  py::dict out;
+  for (const auto& [name, section] :
+       {std::pair<const char*, OffloadSection>{"offload_optimizer", kOffloadOptimizerSection},
+        std::pair<const char*, OffloadSection>{"offload_param", kOffloadParamSection}}) {
+    py::list keys;
+    for_each_ignored_offload_key([&](const char* key, unsigned sections, auto) {
+      if ((sections & section) != 0) {
+        keys.append(key);
+      }
+    });
+    out[name] = keys;
+  }
+  out["aio"] = py::list();
+  return out;
 }
 
 // ZeroOptions from the Python layer's keyword arguments (already validated

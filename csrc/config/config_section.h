@@ -4,11 +4,11 @@
 #pragma once
 
 #include "zeroshard/deepspeed_config.h"
+#include "zeroshard/text.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -28,16 +28,10 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // ---------------------------------------------------------------------------
 // Helpers.
 
-inline std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
-
 // Levenshtein distance, ignoring case (a mistyped key is as often a wrong case as a wrong
 // letter).
 inline size_t edit_distance(const std::string& a, const std::string& b) {
-  const std::string x = lower(a), y = lower(b);
+  const std::string x = lowercase(a), y = lowercase(b);
   std::vector<size_t> row(y.size() + 1);
   for (size_t j = 0; j <= y.size(); ++j) {
     row[j] = j;
@@ -70,7 +64,7 @@ inline std::string closest(const std::string& word, const Keys& candidates) {
 // The entry of `names` equal to `name` ignoring case, or "".
 inline std::string find_name(const std::string& name, const Keys& names) {
   for (const auto& candidate : names) {
-    if (lower(candidate) == lower(name)) {
+    if (lowercase(candidate) == lowercase(name)) {
       return candidate;
     }
   }

@@ -1,6 +1,7 @@
 #include "zeroshard/deepspeed_config.h"
 
 #include "config_section.h"
+#include "zeroshard/inner_optimizer.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -352,13 +353,17 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
   const Section params = optimizer.section("params", sgd ? kSgdParams : kAdamParams);
   json& resolved = out.optimizer_params;
   resolved = json::object();
-  resolved["lr"] = params.number("lr", 1e-3, 0);
+  // torch.optim's defaults (inner_optimizer.h), but for weight_decay, whose
+  // DeepSpeed default is 0 (FusedAdam, CPUAdam) where torch.optim.AdamW's is 0.01.
+  const nlohmann::json defaults =
+      inner_optimizer_defaults(sgd ? InnerOptimizerKind::kSGD : InnerOptimizerKind::kAdamW);
+  resolved["lr"] = params.number("lr", defaults.at("lr").get<double>(), 0);
   resolved["weight_decay"] = params.number("weight_decay", 0, 0);
   if (sgd) {
     out.optimizer_type = "SGD";
-    resolved["momentum"] = params.number("momentum", 0, 0);
-    resolved["dampening"] = params.number("dampening", 0);
-    resolved["nesterov"] = params.boolean("nesterov", false);
+    resolved["momentum"] = params.number("momentum", defaults.at("momentum").get<double>(), 0);
+    resolved["dampening"] = params.number("dampening", defaults.at("dampening").get<double>());
+    resolved["nesterov"] = params.boolean("nesterov", defaults.at("nesterov").get<bool>());
     TORCH_CHECK_VALUE(
         !resolved["nesterov"].get<bool>() ||
             (resolved["momentum"].get<double>() > 0 && resolved["dampening"].get<double>() == 0),
@@ -380,15 +385,15 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
   // torch_adam hands the params to torch.optim.AdamW, whose weight_decay default is 0.01;
   // DeepSpeed's FusedAdam and CPUAdam default to 0.
   if (torch_adam && adamw && !params.has("weight_decay")) {
-    resolved["weight_decay"] = 0.01;
+    resolved["weight_decay"] = defaults.at("weight_decay");
   }
-  resolved["eps"] = params.number("eps", 1e-8, 0);
-  resolved["amsgrad"] = params.boolean("amsgrad", false);
+  resolved["eps"] = params.number("eps", defaults.at("eps").get<double>(), 0);
+  resolved["amsgrad"] = params.boolean("amsgrad", defaults.at("amsgrad").get<bool>());
   params.boolean("set_grad_none", true);
   TORCH_CHECK_VALUE(params.boolean("bias_correction", true),
                     "optimizer.params.bias_correction = false is not supported by zeroshard "
                     "(its Adam always corrects bias, as torch.optim.Adam does)");
-  resolved["betas"] = json::array({0.9, 0.999});
+  resolved["betas"] = defaults.at("betas");
   if (const json* betas = params.find("betas")) {
     bool ok = betas->is_array() && betas->size() == 2;
     for (size_t i = 0; ok && i < 2; ++i) {

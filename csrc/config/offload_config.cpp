@@ -5,16 +5,54 @@
 namespace zeroshard::config_detail {
 namespace {
 
-// clang-format off
-const Keys kOffloadOptimizerKeys = {
-    "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-    "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu",
-    "swap_gradients"};
-const Keys kOffloadParamKeys = {
-    "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"};
-const Keys kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
-                       "single_submit", "overlap_events", "use_gds"};
-// clang-format on
+// A section's keys, from [Note: one list of the offload keys].
+Keys offload_keys(unsigned section) {
+  Keys keys = {"device"};
+  const OffloadOptions defaults;
+  for_each_offload_option(defaults, [&](const OffloadOptionInfo& info, const auto&) {
+    if ((info.sections & section) != 0) {
+      keys.emplace_back(info.name);
+    }
+  });
+  for_each_ignored_offload_key([&](const char* name, unsigned sections, auto) {
+    if ((sections & section) != 0) {
+      keys.emplace_back(name);
+    }
+  });
+  return keys;
+}
+
+Keys aio_keys() {
+  Keys keys;
+  const AioOptions defaults;
+  for_each_aio_option(defaults, [&](const AioOptionInfo& info, const auto&) {
+    if (info.in_config) {
+      keys.emplace_back(info.name);
+      if (*info.alias != '\0') {
+        keys.emplace_back(info.alias);
+      }
+    }
+  });
+  keys.emplace_back("use_gds");
+  return keys;
+}
+
+// One value of a section by its type, `fallback` where the section leaves
+// it out; numbers within [least, most].
+bool read_value(const Section& s, const char* key, bool fallback, double, double) {
+  return s.boolean(key, fallback);
+}
+double read_value(const Section& s, const char* key, double fallback, double least, double most) {
+  return s.number(key, fallback, least, most);
+}
+int64_t read_value(const Section& s, const char* key, int64_t fallback, double least, double most) {
+  return s.integer(key, fallback, static_cast<int64_t>(least),
+                   most >= kNoUpperBound ? kNoMax : static_cast<int64_t>(most));
+}
+std::string read_value(const Section& s, const char* key, const std::string& fallback, double,
+                       double) {
+  return s.string(key, fallback);
+}
 
 }  // namespace
 
@@ -24,7 +62,8 @@ const Keys kAioKeys = {"block_size", "queue_depth", "intra_op_parallelism", "thr
 OffloadOptions read_offload(const Section& zero, const std::string& key, bool pin_default,
                             DeepSpeedConfig& out, OffloadDevice* written) {
   const bool optimizer = key == "offload_optimizer";
-  const Section s = zero.section(key, optimizer ? kOffloadOptimizerKeys : kOffloadParamKeys);
+  const Section s =
+      zero.section(key, offload_keys(optimizer ? kOffloadOptimizerSection : kOffloadParamSection));
   const std::string device =
       s.is_auto("device") ? "auto" : s.choice("device", "none", {"none", "cpu", "nvme"});
   if (device == "auto") {
@@ -33,28 +72,22 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
   *written = device == "auto" ? OffloadDevice::kNone : parse_offload_device(device);
   // What the section leaves out keeps OffloadOptions' defaults (DeepSpeed's,
   // but for the NVMe pipelining, on unless pipeline_read/pipeline_write say
-  // false), and offload_param's buffer_count is DeepSpeed's 5 there.
-  OffloadOptions options;
-  if (!optimizer) {
-    options.buffer_count(kOffloadParamBufferCount);
-  }
-  options.nvme_path(s.string("nvme_path", options.nvme_path()));
-  options.buffer_count(s.integer("buffer_count", options.buffer_count(), 0));
-  options.pin_memory(s.boolean("pin_memory", pin_default));
-  if (optimizer) {
-    options.pipeline_read(s.boolean("pipeline_read", options.pipeline_read()));
-    options.pipeline_write(s.boolean("pipeline_write", options.pipeline_write()));
-    // zeroshard's own key: the gradient shard in the swap space too.
-    options.swap_gradients(s.boolean("swap_gradients", options.swap_gradients()));
-    for (const char* flag_key : {"fast_init", "super_offload", "convert_grad_on_cpu"}) {
-      s.boolean(flag_key, false);
+  // false), and offload_param's buffer_count is DeepSpeed's 5 there; the
+  // keys, types and ranges are [Note: one list of the offload keys].
+  const OffloadSection section = optimizer ? kOffloadOptimizerSection : kOffloadParamSection;
+  OffloadOptions options = offload_section_defaults(section);
+  options.pin_memory(pin_default);
+  for_each_offload_option(options, [&](const OffloadOptionInfo& info, auto& field) {
+    if ((info.sections & section) != 0) {
+      field = read_value(s, info.name, field, info.least, info.most);
     }
-    options.ratio(s.number("ratio", options.ratio(), 0, 1));
-    s.number("cpuadam_cores_perc", 0.8, 0, 1);
-  } else {
-    options.buffer_size(s.integer("buffer_size", options.buffer_size(), 0));
-    options.max_in_cpu(s.integer("max_in_cpu", options.max_in_cpu(), 0));
-  }
+  });
+  // DeepSpeed's keys zeroshard does not use: checked for type, then dropped.
+  for_each_ignored_offload_key([&](const char* name, unsigned sections, auto value) {
+    if ((sections & section) != 0) {
+      read_value(s, name, value, 0, 1);
+    }
+  });
   if (device == "nvme") {
     TORCH_CHECK_VALUE(!options.nvme_path().empty(), s.path("nvme_path"),
                       " is needed with device \"nvme\": a directory on the disk to swap to");
@@ -75,15 +108,16 @@ OffloadOptions read_offload(const Section& zero, const std::string& key, bool pi
 }
 
 void read_aio(const Section& top, DeepSpeedConfig& out) {
-  const Section aio = top.section("aio", kAioKeys);
+  const Section aio = top.section("aio", aio_keys());
   AioOptions& io = out.zero.aio();
-  io.block_size(aio.integer("block_size", io.block_size(), 4096));
-  io.queue_depth(aio.integer("queue_depth", io.queue_depth(), 1, 4096));
-  io.intra_op_parallelism(
-      aio.integer(aio.has("intra_op_parallelism") ? "intra_op_parallelism" : "thread_count",
-                  io.intra_op_parallelism(), 1, 256));
-  io.single_submit(aio.boolean("single_submit", io.single_submit()));
-  io.overlap_events(aio.boolean("overlap_events", io.overlap_events()));
+  for_each_aio_option(io, [&](const AioOptionInfo& info, auto& field) {
+    if (info.in_config) {
+      // The other spelling is read where the section has no key of the name.
+      const char* key = *info.alias != '\0' && !aio.has(info.name) ? info.alias : info.name;
+      field = read_value(aio, key, field, static_cast<double>(info.least),
+                         info.most == 0 ? kNoUpperBound : static_cast<double>(info.most));
+    }
+  });
   if (aio.boolean("use_gds", false)) {
     flag(out, aio.path("use_gds"), true,
          "GPUDirect Storage is not used; ignoring it reads through host memory");

@@ -4,24 +4,18 @@
 #include "zeroshard/nvme_gradient_swapper.h"
 #include "zeroshard/shard_chunk.h"
 #include "zeroshard/state_placement.h"
+#include "zeroshard/text.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 
 namespace zeroshard {
 namespace {
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
 
 // DeepSpeed's additional_buffer_factor on CPU memory.
 constexpr double kDeepSpeedCpuFactor = 1.5;
@@ -46,7 +40,7 @@ std::string describe_configuration(int64_t stage, OffloadDevice optimizer, Offlo
 }
 
 PrecisionRecipe parse_precision(const std::string& name) {
-  const std::string key = lower(name);
+  const std::string key = lowercase(name);
   if (key == "fp32") {
     return PrecisionRecipe::kFp32;
   }
@@ -59,7 +53,7 @@ PrecisionRecipe parse_precision(const std::string& name) {
 }
 
 StateKind parse_state_kind(const std::string& optimizer_name) {
-  const std::string key = lower(optimizer_name);
+  const std::string key = lowercase(optimizer_name);
   if (key == "adam" || key == "adamw") {
     return StateKind::kAdam;
   }

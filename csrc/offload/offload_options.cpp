@@ -1,23 +1,12 @@
 #include "zeroshard/offload_options.h"
+#include "zeroshard/text.h"
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <cctype>
-
 namespace zeroshard {
-namespace {
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
-
-}  // namespace
 
 OffloadDevice parse_offload_device(const std::string& name) {
-  const std::string key = lower(name);
+  const std::string key = lowercase(name);
   if (key == "none" || key.empty()) {
     return OffloadDevice::kNone;
   }

@@ -1,5 +1,7 @@
 #include "zeroshard/inner_optimizer.h"
 
+#include "zeroshard/text.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -15,7 +17,6 @@
 #include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <vector>
 
@@ -185,9 +186,7 @@ const char* inner_optimizer_name(InnerOptimizerKind kind) {
 }
 
 InnerOptimizerKind parse_inner_optimizer(const std::string& name) {
-  std::string lower = name;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string lower = lowercase(name);
   if (lower == "adam") {
     return InnerOptimizerKind::kAdam;
   }

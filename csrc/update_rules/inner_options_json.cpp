@@ -1,4 +1,4 @@
-// Hyper-parameters to and from JSON, for checkpoints.
+// Hyper-parameters to and from JSON, for checkpoints, and their defaults.
 #include "zeroshard/inner_optimizer.h"
 
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -30,6 +30,22 @@ void apply_adam_like(Options& o, const nlohmann::json& values) {
 }
 
 }  // namespace
+
+std::unique_ptr<torch::optim::OptimizerOptions> default_inner_options(InnerOptimizerKind kind) {
+  switch (kind) {
+    case InnerOptimizerKind::kAdam:
+      return std::make_unique<torch::optim::AdamOptions>();
+    case InnerOptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamWOptions>();
+    case InnerOptimizerKind::kSGD:
+      return std::make_unique<torch::optim::SGDOptions>(kSgdDefaultLr);
+  }
+  TORCH_CHECK(false, "unknown inner optimizer kind ", static_cast<int>(kind));
+}
+
+nlohmann::json inner_optimizer_defaults(InnerOptimizerKind kind) {
+  return inner_options_to_json(kind, *default_inner_options(kind));
+}
 
 nlohmann::json inner_options_to_json(InnerOptimizerKind kind,
                                      const torch::optim::OptimizerOptions& options) {

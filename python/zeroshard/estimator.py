@@ -16,6 +16,11 @@ from torch import nn
 
 from zeroshard import _C
 
+# estimate()'s defaults for the ZeRO and offload settings: the C++
+# EstimateOptions', which are ZeroOptions' and OffloadOptions' own, so the
+# estimate of a default ZeroOptimizer follows a changed default.
+_DEFAULTS: dict[str, Any] = _C.estimate_defaults()
+
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _BYTE_UNITS = {
     "b": 1,
@@ -123,21 +128,21 @@ def estimate(
     offload_param: str = "none",
     largest_unit_params: float | None = None,
     stages: Sequence[int] = (0, 1, 2, 3),
-    offload_ratio: float = 1.0,
-    sub_group_size: float = 1e9,
-    nvme_buffer_count: int = 4,
-    param_max_in_cpu: float = 1e9,
-    param_buffer_count: int = 5,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    activation_bytes: float = 0.0,
-    reduce_bucket_size: float = 5e6,
-    max_buckets_in_flight: int = 2,
-    prefetch_bucket_size: float = 5e7,
-    host_device: bool = False,
-    max_live_parameters: float = 1e9,
-    reduce_in_fp32: bool = False,
-    swap_gradients: bool = False,
+    offload_ratio: float = _DEFAULTS["offload_ratio"],
+    sub_group_size: float = _DEFAULTS["sub_group_size"],
+    nvme_buffer_count: int = _DEFAULTS["nvme_buffer_count"],
+    param_max_in_cpu: float = _DEFAULTS["param_max_in_cpu"],
+    param_buffer_count: int = _DEFAULTS["param_buffer_count"],
+    tensor_parallel_size: int = _DEFAULTS["tensor_parallel_size"],
+    pipeline_parallel_size: int = _DEFAULTS["pipeline_parallel_size"],
+    activation_bytes: float = _DEFAULTS["activation_bytes"],
+    reduce_bucket_size: float = _DEFAULTS["reduce_bucket_size"],
+    max_buckets_in_flight: int = _DEFAULTS["max_buckets_in_flight"],
+    prefetch_bucket_size: float = _DEFAULTS["prefetch_bucket_size"],
+    host_device: bool = _DEFAULTS["host_device"],
+    max_live_parameters: float = _DEFAULTS["max_live_parameters"],
+    reduce_in_fp32: bool = _DEFAULTS["reduce_in_fp32"],
+    swap_gradients: bool = _DEFAULTS["swap_gradients"],
 ) -> list[dict[str, Any]]:
     """Per-rank bytes of parameters, gradients and optimizer state for each stage.
 
@@ -168,7 +173,9 @@ def estimate(
     ``prefetch_bucket_size`` and keep the gathered total within
     ``max_live_parameters``) and the step's fp32 transient (``step_bytes``:
     a 16-bit gradient widened a chunk of 4M elements at a time, or a device
-    sub-group's with partial offload). The bucket arguments are ``ZeroOptimizer``'s
+    sub-group's with partial offload). Settings left out take the defaults of
+    ``ZeroOptimizer`` and its offload sections (the C++ options' own, read
+    through ``zeroshard._C.estimate_defaults()``). The bucket arguments are ``ZeroOptimizer``'s
     (``max_live_parameters`` is its ``stage3_max_live_parameters``). With
     ``reduce_in_fp32`` (mixed16 only) the buckets and the gradient shard are
     fp32. ``swap_gradients`` (``offload_optimizer.swap_gradients``; applies

@@ -11,30 +11,16 @@ from typing import Any
 
 from zeroshard import _C
 
-# DeepSpeed's keys of each section that zeroshard reads; the NVMe tuning keys
-# are accepted so that a DeepSpeed section can be passed unchanged.
-_OPTIMIZER_KEYS = {
-    "device",
-    "pin_memory",
-    "ratio",
-    "buffer_count",
-    "nvme_path",
-    "pipeline_read",
-    "pipeline_write",
-    "fast_init",
-    "swap_gradients",
-}
-_PARAM_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"}
-_IGNORED = {"fast_init"}  # DeepSpeed's NVMe initialization shortcut
-_AIO_KEYS = {
-    "block_size",
-    "queue_depth",
-    "intra_op_parallelism",
-    "thread_count",
-    "single_submit",
-    "overlap_events",
-    "use_io_uring",
-}
+# Each section's keys with the core's defaults, and DeepSpeed's keys it accepts
+# so that a DeepSpeed section can be passed unchanged and does not use: from
+# the core's one list ([Note: one list of the offload keys] in
+# offload_options.h). A value takes its default's type.
+_KEYS: dict[str, dict[str, Any]] = _C.offload_option_keys()
+_IGNORED: dict[str, list[str]] = _C.offload_ignored_keys()
+
+
+def _allowed(which: str) -> set[str]:
+    return set(_KEYS[which]) | set(_IGNORED[which])
 
 
 def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[str, Any]:
@@ -57,28 +43,23 @@ def offload_options(value: str | Mapping[str, Any] | None, which: str) -> dict[s
             f"{which} must be None, a device name ('none', 'cpu', 'nvme') or a dict of "
             f"DeepSpeed's {which} keys; got {type(value).__name__}"
         )
-    allowed = _OPTIMIZER_KEYS if which == "offload_optimizer" else _PARAM_KEYS
+    allowed = _allowed(which)
     unknown = set(value) - allowed
     if unknown:
         raise TypeError(f"unknown {which} key(s) {sorted(unknown)}; expected {sorted(allowed)}")
+    defaults = _KEYS[which]
     out: dict[str, Any] = {}
     for key, item in value.items():
-        if key in _IGNORED:
+        if key in _IGNORED[which]:
             continue
-        if key == "device":
-            out[key] = "none" if item is None else str(item)
-        elif key in ("pin_memory", "pipeline_read", "pipeline_write", "swap_gradients"):
-            out[key] = bool(item)
-        elif key == "ratio":
-            out[key] = float(item)
-        elif key == "nvme_path":
-            out[key] = "" if item is None else str(item)
+        if key in ("device", "nvme_path") and item is None:
+            out[key] = defaults[key]
         else:
-            out[key] = int(item)
-    out.setdefault("device", "none")
+            out[key] = type(defaults[key])(item)
+    out.setdefault("device", defaults["device"])
     if which == "offload_param":
-        # DeepSpeed's default for this section (offload_optimizer's is 4).
-        out.setdefault("buffer_count", _C.OFFLOAD_PARAM_BUFFER_COUNT)
+        # DeepSpeed's default for this section (offload_optimizer's differs).
+        out.setdefault("buffer_count", defaults["buffer_count"])
     return out
 
 
@@ -92,10 +73,8 @@ def aio_options(value: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise TypeError(f"aio must be a dict of DeepSpeed's aio keys; got {type(value).__name__}")
-    unknown = set(value) - _AIO_KEYS
+    allowed = _allowed("aio")
+    unknown = set(value) - allowed
     if unknown:
-        raise TypeError(f"unknown aio key(s) {sorted(unknown)}; expected {sorted(_AIO_KEYS)}")
-    return {
-        key: bool(item) if key in ("single_submit", "overlap_events", "use_io_uring") else int(item)
-        for key, item in value.items()
-    }
+        raise TypeError(f"unknown aio key(s) {sorted(unknown)}; expected {sorted(allowed)}")
+    return {key: type(_KEYS["aio"][key])(item) for key, item in value.items()}

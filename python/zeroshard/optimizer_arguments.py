@@ -38,18 +38,9 @@ def _scalar_zero_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Hyper-parameters each inner optimizer accepts, with torch.optim's defaults.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False},
-    "adamw": {
-        "lr": 1e-3,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 1e-2,
-        "amsgrad": False,
-    },
-    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
-}
+# Hyper-parameters each inner optimizer accepts, with torch.optim's defaults:
+# the core's (default_inner_options in inner_optimizer.h), stated once there.
+_DEFAULTS: dict[str, dict[str, Any]] = _C.inner_optimizer_defaults()
 
 
 _SCALAR_OPTIONS_MARK = "        <the scalar ZeRO options: _document_scalar_options fills them in>\n"

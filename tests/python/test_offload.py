@@ -343,3 +343,90 @@ def test_save_load_continue_equals_uninterrupted(stage: int, kwargs: dict[str, A
     diffs = unwrap(run_ranks(2, _resume, stage, kwargs))
     print(f"stage {stage}: resumed vs uninterrupted max abs diff {diffs[0]:.3e}")
     assert diffs[0] == 0.0, "resuming replays the same arithmetic"
+
+
+# ---- One list of the offload and aio keys -----------------------------------------------
+
+
+def test_docs_list_each_sections_keys() -> None:
+    """docs/offload.md's "Keys" list is the core's list ([Note: one list of the
+    offload keys]): a key added there and not documented fails here."""
+    import re
+    from pathlib import Path
+
+    from zeroshard import _C
+
+    keys = _C.offload_option_keys()
+    ignored = _C.offload_ignored_keys()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "offload.md").read_text()
+    listed = text.split("\n## Keys\n", 1)[1].split("\n## ", 1)[0]
+    for section in ("offload_optimizer", "offload_param", "aio"):
+        bullet = re.search(rf"^- `{section}`:(.*?)(?=^- |\Z)", listed, re.S | re.M)
+        assert bullet is not None, f"docs/offload.md lists no keys of {section}"
+        documented = set(re.findall(r"`(\w+)`", bullet.group(1)))
+        # use_gds: read by the config reader alone, to report it unsupported.
+        expected = set(keys[section]) | set(ignored[section])
+        expected |= {"use_gds"} if section == "aio" else set()
+        assert documented == expected, (section, documented ^ expected)
+
+
+def test_every_listed_key_reaches_python_from_a_deepspeed_config() -> None:
+    """Each listed key, set to a value other than its default in a DeepSpeed
+    config, comes out of the config reader and through the Python layer's
+    normalisation unchanged: the reader, the binding and offload.py agree."""
+    import json
+
+    from zeroshard import _C
+    from zeroshard.offload import aio_options, offload_options
+
+    keys = _C.offload_option_keys()
+    changed = {
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": "/tmp/zeroshard-keys-test",
+            "buffer_count": 7,
+            "pin_memory": False,
+            "pipeline_read": False,
+            "pipeline_write": False,
+            "swap_gradients": True,
+            "ratio": 0.75,
+        },
+        "offload_param": {
+            "device": "cpu",
+            "nvme_path": "/tmp/zeroshard-keys-test-param",
+            "buffer_count": 9,
+            "pin_memory": False,
+            "buffer_size": 12345,
+            "max_in_cpu": 678,
+        },
+        "aio": {
+            "block_size": 8192,
+            "queue_depth": 3,
+            "intra_op_parallelism": 2,
+            "single_submit": True,
+            "overlap_events": False,
+        },
+    }
+    for section, values in changed.items():
+        config_keys = set(keys[section]) - (
+            {"thread_count", "use_io_uring"} if section == "aio" else set()
+        )
+        assert set(values) == config_keys, f"update this test for {section}'s keys"
+        assert all(values[key] != keys[section][key] for key in values), section
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": changed["offload_optimizer"],
+            "offload_param": changed["offload_param"],
+        },
+        "aio": changed["aio"],
+    }
+    zero = _C.parse_deepspeed_config(json.dumps(config), 1).optimizer_arguments()["zero_options"]
+    for section in ("offload_optimizer", "offload_param"):
+        assert offload_options(zero[section], section) == changed[section]
+    assert aio_options(zero["aio"]) == {
+        **changed["aio"],
+        "use_io_uring": keys["aio"]["use_io_uring"],
+    }

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,17 @@ void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOp
 // host_optimizer_kernel.h.
 HostAdamArgs host_adam_args(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
 HostSgdArgs host_sgd_args(const torch::optim::OptimizerOptions& options);
+
+// torch.optim's defaults of each inner optimizer's hyper-parameters, the one
+// statement of them: LibTorch's own options (AdamOptions, AdamWOptions: lr
+// 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0 and 1e-2), and for SGD,
+// whose LibTorch options have no default lr, torch.optim.SGD's. The Python
+// layer (zeroshard._C.inner_optimizer_defaults) and the DeepSpeed config
+// reader read them here.
+constexpr double kSgdDefaultLr = 1e-3;
+std::unique_ptr<torch::optim::OptimizerOptions> default_inner_options(InnerOptimizerKind kind);
+// The same as JSON (inner_options_to_json's names).
+nlohmann::json inner_optimizer_defaults(InnerOptimizerKind kind);
 
 // The hyper-parameters of `options` as JSON, with torch.optim's names (lr,
 // betas, eps, weight_decay, amsgrad; lr, momentum, dampening, weight_decay,

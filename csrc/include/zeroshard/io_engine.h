@@ -49,6 +49,40 @@ struct AioOptions {
   TORCH_ARG(bool, use_io_uring) = true;
 };
 
+// The "aio" section's keys, once ([Note: one list of the offload keys] in
+// offload_options.h): X(name, its other spelling or "", in a DeepSpeed
+// config too, least, most) for each AioOptions field (type and default are
+// the TORCH_ARG's above; least and most bound integers where a config gives
+// them, check_aio_options checks every source). use_io_uring is zeroshard's
+// own (Python only); DeepSpeed's use_gds is read by the config reader alone,
+// which flags it as unsupported.
+#define ZEROSHARD_AIO_OPTIONS(X)                        \
+  X(block_size, "", true, 4096, 0)                      \
+  X(queue_depth, "", true, 1, 4096)                     \
+  X(intra_op_parallelism, "thread_count", true, 1, 256) \
+  X(single_submit, "", true, 0, 0)                      \
+  X(overlap_events, "", true, 0, 0)                     \
+  X(use_io_uring, "", false, 0, 0)
+
+// What the list above says of one key; most 0: no upper bound.
+struct AioOptionInfo {
+  const char* name;
+  const char* alias;
+  bool in_config;
+  int64_t least;
+  int64_t most;
+};
+
+// Calls visit(info, value) for each AioOptions field, `value` a reference to
+// the field (const when `options` is).
+template <typename Options, typename Visitor>
+void for_each_aio_option(Options& options, Visitor&& visit) {
+#define ZEROSHARD_VISIT_AIO_OPTION(name, alias, in_config, least, most) \
+  visit(AioOptionInfo{#name, alias, in_config, least, most}, options.name());
+  ZEROSHARD_AIO_OPTIONS(ZEROSHARD_VISIT_AIO_OPTION)
+#undef ZEROSHARD_VISIT_AIO_OPTION
+}
+
 // Buffer address, file offset and size multiple of IoFile's direct
 // (O_DIRECT) path; the swap files lay their slots out on it.
 constexpr int64_t kDirectIoAlignment = 4096;

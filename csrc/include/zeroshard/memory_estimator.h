@@ -6,6 +6,7 @@
 #pragma once
 
 #include "zeroshard/offload_options.h"
+#include "zeroshard/zero_options.h"
 
 #include <torch/csrc/api/include/torch/arg.h>
 
@@ -47,43 +48,51 @@ struct EstimateOptions {
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
   TORCH_ARG(OffloadDevice, offload_optimizer) = OffloadDevice::kNone;
   TORCH_ARG(OffloadDevice, offload_param) = OffloadDevice::kNone;
+  // The settings below default to the options' own defaults (ZeroOptions,
+  // OffloadOptions), so an estimate without them is the one of a default
+  // ZeroOptimizer, and a changed default changes it.
   // CPU optimizer offload as zeroshard runs it (see state_placement.h): the
   // fraction of sub-groups offloaded and their size, which sizes the host
   // staging buffers.
-  TORCH_ARG(double, offload_ratio) = 1.0;
-  TORCH_ARG(double, sub_group_size) = 1e9;
+  TORCH_ARG(double, offload_ratio) = OffloadOptions().ratio();
+  TORCH_ARG(double, sub_group_size) = static_cast<double>(ZeroOptions().sub_group_size());
   // NVMe optimizer offload: host buffers, each one sub-group's master and
   // moments (offload_optimizer.buffer_count).
-  TORCH_ARG(int64_t, nvme_buffer_count) = 4;
+  TORCH_ARG(int64_t,
+            nvme_buffer_count) = offload_section_defaults(kOffloadOptimizerSection).buffer_count();
   // offload_optimizer.swap_gradients (applies with NVMe optimizer offload at
   // stages 2-3 and offload_ratio 1, ignored elsewhere): the fp32 gradient
   // shard on disk; host memory keeps buffer_count blocks of it
   // (nvme_gradient_swapper.h) instead of the shard.
-  TORCH_ARG(bool, swap_gradients) = false;
+  TORCH_ARG(bool, swap_gradients) = OffloadOptions().swap_gradients();
   // NVMe parameter offload (nvme_parameter_swapper.h): shard elements kept
   // in host memory (offload_param.max_in_cpu) and buckets read ahead, each
   // at most the largest unit's shard (offload_param.buffer_count).
-  TORCH_ARG(double, param_max_in_cpu) = 1e9;
-  TORCH_ARG(int64_t, param_buffer_count) = 5;
+  TORCH_ARG(double, param_max_in_cpu) =
+      static_cast<double>(offload_section_defaults(kOffloadParamSection).max_in_cpu());
+  TORCH_ARG(int64_t,
+            param_buffer_count) = offload_section_defaults(kOffloadParamSection).buffer_count();
   // The buffers of the gradient reduction and of the stage 3 gathers, as
   // ZeroOptions sizes them (reduce_bucket_size, max_buckets_in_flight,
   // stage3_prefetch_bucket_size). On a CPU device (Gloo) each reduce-scatter
   // in flight also holds a receive buffer of its bucket's size (the
   // all-to-all that replaces Gloo's emulated reduce-scatter).
-  TORCH_ARG(double, reduce_bucket_size) = 5e6;
-  TORCH_ARG(int64_t, max_buckets_in_flight) = 2;
-  TORCH_ARG(double, prefetch_bucket_size) = 5e7;
+  TORCH_ARG(double, reduce_bucket_size) = static_cast<double>(ZeroOptions().reduce_bucket_size());
+  TORCH_ARG(int64_t, max_buckets_in_flight) = ZeroOptions().max_buckets_in_flight();
+  TORCH_ARG(double, prefetch_bucket_size) =
+      static_cast<double>(ZeroOptions().stage3_prefetch_bucket_size());
   // host_device false also counts the pinned staging of gradient slices
   // bound for a host gradient shard (offload on an accelerator).
   TORCH_ARG(bool, host_device) = false;
   // Stage 3's stage3_max_live_parameters: the prefetch stops before the
   // gathered elements would pass it (parameter_gatherer.h).
-  TORCH_ARG(double, max_live_parameters) = 1e9;
+  TORCH_ARG(double,
+            max_live_parameters) = static_cast<double>(ZeroOptions().stage3_max_live_parameters());
   // Mixed precision with gradients reduced in fp32 (ZeroOptions'
   // reduce_in_fp32, DeepSpeed's communication_data_type "fp32"): the
   // buckets and the gradient shard are fp32; autograd's stage-0/1
   // gradients keep the parameters' dtype.
-  TORCH_ARG(bool, reduce_in_fp32) = false;
+  TORCH_ARG(bool, reduce_in_fp32) = ZeroOptions().reduce_in_fp32();
 };
 
 // Bytes per rank unless named per node.

@@ -61,4 +61,81 @@ struct OffloadOptions {
   bool enabled() const { return device_ != OffloadDevice::kNone; }
 };
 
+// [Note: one list of the offload keys]
+// The keys of DeepSpeed's offload_optimizer and offload_param sections,
+// once. X(name, sections, least, most): an OffloadOptions field read under
+// its own name (its type and default are the TORCH_ARG's above), the sections
+// that take it, and for numbers the range a config may give (most:
+// kNoUpperBound for none). "device" is not listed: it is an enum, read as a
+// name (and "auto" in a config). ZEROSHARD_OFFLOAD_IGNORED_KEYS lists
+// DeepSpeed's keys accepted so that a DeepSpeed section can be passed
+// unchanged, and not used: X(name, sections, value a config must hold:
+// false for a flag, a fraction for cpuadam_cores_perc).
+// The DeepSpeed config reader (config/offload_config.cpp), the Python
+// binding (options_from_python.cpp: the dict into OffloadOptions and
+// back) and python/zeroshard/offload.py (keys, defaults and types from
+// zeroshard._C.offload_option_keys()) all read these lists; the aio section's
+// list is ZEROSHARD_AIO_OPTIONS in io_engine.h.
+enum OffloadSection : unsigned {
+  kOffloadOptimizerSection = 1,
+  kOffloadParamSection = 2,
+  kOffloadBothSections = kOffloadOptimizerSection | kOffloadParamSection,
+};
+constexpr double kNoUpperBound = 1e300;
+
+#define ZEROSHARD_OFFLOAD_OPTIONS(X)                      \
+  X(nvme_path, kOffloadBothSections, 0, 0)                \
+  X(buffer_count, kOffloadBothSections, 0, kNoUpperBound) \
+  X(pin_memory, kOffloadBothSections, 0, 0)               \
+  X(pipeline_read, kOffloadOptimizerSection, 0, 0)        \
+  X(pipeline_write, kOffloadOptimizerSection, 0, 0)       \
+  X(swap_gradients, kOffloadOptimizerSection, 0, 0)       \
+  X(ratio, kOffloadOptimizerSection, 0, 1)                \
+  X(buffer_size, kOffloadParamSection, 0, kNoUpperBound)  \
+  X(max_in_cpu, kOffloadParamSection, 0, kNoUpperBound)
+
+#define ZEROSHARD_OFFLOAD_IGNORED_KEYS(X)              \
+  X(fast_init, kOffloadOptimizerSection, false)        \
+  X(super_offload, kOffloadOptimizerSection, false)    \
+  X(cpuadam_cores_perc, kOffloadOptimizerSection, 0.8) \
+  X(convert_grad_on_cpu, kOffloadOptimizerSection, false)
+
+// What the list above says of one key.
+struct OffloadOptionInfo {
+  const char* name;
+  unsigned sections;  // OffloadSection bits
+  double least;
+  double most;
+};
+
+// Calls visit(info, value) for each listed OffloadOptions field, `value` a
+// reference to the field (const when `options` is).
+template <typename Options, typename Visitor>
+void for_each_offload_option(Options& options, Visitor&& visit) {
+#define ZEROSHARD_VISIT_OFFLOAD_OPTION(name, sections, least, most) \
+  visit(OffloadOptionInfo{#name, sections, static_cast<double>(least), most}, options.name());
+  ZEROSHARD_OFFLOAD_OPTIONS(ZEROSHARD_VISIT_OFFLOAD_OPTION)
+#undef ZEROSHARD_VISIT_OFFLOAD_OPTION
+}
+
+// Calls visit(name, sections, value) for each ignored DeepSpeed key, `value`
+// a bool (a flag) or a double (a fraction in [0, 1]).
+template <typename Visitor>
+void for_each_ignored_offload_key(Visitor&& visit) {
+#define ZEROSHARD_VISIT_IGNORED_KEY(name, sections, value) \
+  visit(#name, static_cast<unsigned>(sections), value);
+  ZEROSHARD_OFFLOAD_IGNORED_KEYS(ZEROSHARD_VISIT_IGNORED_KEY)
+#undef ZEROSHARD_VISIT_IGNORED_KEY
+}
+
+// A section's defaults: OffloadOptions' own, but offload_param's
+// buffer_count is kOffloadParamBufferCount.
+inline OffloadOptions offload_section_defaults(OffloadSection section) {
+  OffloadOptions options;
+  if (section == kOffloadParamSection) {
+    options.buffer_count(kOffloadParamBufferCount);
+  }
+  return options;
+}
+
 }  // namespace zeroshard
