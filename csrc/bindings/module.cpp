@@ -361,6 +361,16 @@ PYBIND11_MODULE(_C, m) {
                replicas->reset_stats();
              }
            })
+      // Errors name each rank's call: see
+      // [Note: Which call a rank is in] in communicator.h.
+      .def(
+          "enter_call",
+          [](ZeroOptimizer& self, const std::string& call) {
+            self.communicator().enter_call(call);
+          },
+          py::arg("call"),
+          "Names the public call this rank is in; calls nest, the outermost names it.")
+      .def("exit_call", [](ZeroOptimizer& self) { self.communicator().exit_call(); })
       .def("set_event_log_enabled",
            [](ZeroOptimizer& self, bool enabled) {
              self.communicator().set_event_log_enabled(enabled);

@@ -77,13 +77,13 @@ void PendingCollective::wait() {
   const auto start = std::chrono::steady_clock::now();
   try {
     if (owner_ != nullptr) {
-      owner_->set_waiting(true);
+      owner_->set_waiting(true, kind_, tag_);
     }
     for (auto& work : works_) {
       work->wait();
     }
     if (owner_ != nullptr) {
-      owner_->set_waiting(false);
+      owner_->set_waiting(false, kind_, tag_);
     }
   } catch (const std::exception& e) {  // Gloo rethrows its own IoException, not a c10::Error
     // The other Works of this collective (an all-gather as broadcasts) may
@@ -169,26 +169,103 @@ void Communicator::set_failure_store(c10::intrusive_ptr<c10d::Store> store, std:
   if (store && world_size_ > 1) {
     health_ = std::make_unique<RankHealth>(std::move(store), std::move(prefix), rank_, world_size_,
                                            report_window);
+    health_->set_call(call_);
   }
 }
 
+void Communicator::enter_call(const std::string& call) {
+  if (call_depth_++ == 0) {
+    call_ = call;
+    if (health_) {
+      health_->set_call(call_);
+    }
+  }
+}
+
+void Communicator::exit_call() {
+  if (call_depth_ > 0 && --call_depth_ == 0) {
+    call_.clear();
+    if (health_) {
+      health_->set_call("");
+    }
+  }
+}
+
+void Communicator::set_waiting(bool waiting, CollectiveKind kind, const std::string& tag) {
+  if (!health_) {
+    return;
+  }
+  if (!waiting) {
+    health_->set_waiting(false, "");
+  } else if (!checking_.empty()) {
+    health_->set_waiting(true, "waiting in the order check before " + checking_);
+  } else {
+    health_->set_waiting(
+        true, std::string("waiting in ") + collective_kind_name(kind) + " '" + tag + "'");
+  }
+}
+
+namespace {
+
+std::string rank_list(const std::vector<int64_t>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(ranks[i]);
+  }
+  return text + (ranks.size() == 1 ? " is" : " are");
+}
+
+// "rank 0 is in step (...), rank 1 is in save_checkpoint (...)" over the
+// known activities; `differ` tells whether their calls differ.
+std::string describe_activities(const std::vector<std::optional<RankActivity>>& activity,
+                                bool& differ) {
+  std::string text;
+  const RankActivity* first = nullptr;
+  differ = false;
+  for (size_t r = 0; r < activity.size(); ++r) {
+    if (!activity[r]) {
+      continue;
+    }
+    text += (text.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " is " +
+            activity[r]->describe();
+    if (first == nullptr) {
+      first = &*activity[r];
+    } else if (activity[r]->call != first->call) {
+      differ = true;
+    }
+    differ = differ || activity[r]->state == 'd';
+  }
+  return text;
+}
+
+}  // namespace
+
 void Communicator::raise_collective_failure(const std::string& description,
                                             const std::string& cause) {
+  // See [Note: Naming a lost rank] and [Note: Ranks in different calls].
   std::string who;
   if (health_) {
-    const std::optional<std::vector<int64_t>> lost = health_->lost_ranks(step_);
-    if (!lost) {
-      who = "the store is unreachable (its host rank may be the one lost); ";
-    } else if (lost->empty()) {
-      who = "every rank reported a failure; ";
-    } else {
-      who = lost->size() == 1 ? "rank " : "ranks ";
-      for (size_t i = 0; i < lost->size(); ++i) {
-        who += (i ? ", " : "") + std::to_string((*lost)[i]);
-      }
-      who += lost->size() == 1 ? " is" : " are";
-      who += " lost (killed, crashed, or stalled outside collectives while the others waited; " +
+    const RankReport report = health_->diagnose(step_);
+    bool differ = false;
+    const std::string calls = describe_activities(report.activity, differ);
+    if (!report.store_reachable) {
+      who = differ ? "the store is unreachable (it may have gone with the rank that raised); "
+                   : "the store is unreachable (its host rank may be the one lost); ";
+    }
+    if (!report.lost.empty()) {
+      who += rank_list(report.lost) + " lost (killed or crashed: no heartbeat in " +
              std::to_string(health_->report_window().count()) + " ms of watching); ";
+    } else if (!report.stalled.empty()) {
+      who += rank_list(report.stalled) +
+             " stalled (alive, but running outside zeroshard's calls while the others waited "
+             "in a collective); each rank's call: " +
+             calls + "; ";
+    } else if (differ) {
+      who += "the ranks are in different calls, so their collectives do not match: " + calls +
+             ". Every rank must make the same calls in the same order (a call such as "
+             "full_state_dict() or save_checkpoint() on every rank, the same number of steps); ";
+    } else if (report.store_reachable) {
+      who += "every rank reported a failure; ";
     }
   }
   C10_THROW_ERROR(DistBackendError,
@@ -252,9 +329,12 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
   checked_.emplace(signature, description);
   int64_t largest = 0;
   int64_t smallest = 0;
+  checking_ = description;
   try {
     std::tie(largest, smallest) = extremes(signature, "order_check");
+    checking_.clear();
   } catch (const c10::DistBackendError& e) {
+    checking_.clear();
     // Already names the lost ranks; say what this rank was about to do.
     C10_THROW_ERROR(DistBackendError,
                     std::string(e.what_without_backtrace()) + " (before issuing " + description +
@@ -266,12 +346,27 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
   }
   const int64_t other = largest != signature ? largest : smallest;
   const auto known = checked_.find(other);
+  const std::string calls = calls_of_ranks(description);
   TORCH_CHECK(false, "the ranks' collectives diverged at step ", step_, ": rank ", rank_,
               " is about to issue ", description, " but another rank issued ",
               known != checked_.end() ? known->second : std::string("a different collective"),
+              calls.empty() ? std::string()
+                            : ". The ranks are in different calls: " + calls +
+                                  ". Every rank must make the same calls in the same order (a "
+                                  "call such as full_state_dict() or save_checkpoint() on every "
+                                  "rank, the same number of steps)",
               ". Every rank must run the same modules in the same order (stage 3 gathers "
               "parameters from module hooks); data-dependent control flow must agree across "
               "ranks");
+}
+
+std::string Communicator::calls_of_ranks(const std::string& about_to_issue) {
+  if (!health_) {
+    return "";
+  }
+  bool differ = false;
+  return describe_activities(health_->report_divergence(step_, "about to issue " + about_to_issue),
+                             differ);
 }
 
 void Communicator::all_reduce(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,

@@ -40,12 +40,22 @@ ZeroOptimizer::ZeroOptimizer(const std::vector<torch::optim::OptimizerParamGroup
 
 ZeroOptimizer::~ZeroOptimizer() = default;
 
-at::Tensor ZeroOptimizer::step(LossClosure closure) { return impl_->step(std::move(closure)); }
+// Each public call that issues collectives names itself to the communicator:
+// errors then say which call each rank is in ([Note: Which call a rank is in]
+// in communicator.h).
+at::Tensor ZeroOptimizer::step(LossClosure closure) {
+  Communicator::CallScope call(impl_->communicator(), "step");
+  return impl_->step(std::move(closure));
+}
 void ZeroOptimizer::zero_grad(bool set_to_none) { impl_->zero_grad(set_to_none); }
 at::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {
+  Communicator::CallScope call(impl_->communicator(), "clip_grad_norm");
   return impl_->clip_grad_norm(max_norm);
 }
-at::Tensor ZeroOptimizer::gradient_norm() { return impl_->gradient_norm(); }
+at::Tensor ZeroOptimizer::gradient_norm() {
+  Communicator::CallScope call(impl_->communicator(), "gradient_norm");
+  return impl_->gradient_norm();
+}
 void ZeroOptimizer::scale_gradients(const at::Tensor& coefficient) {
   impl_->scale_gradients(coefficient);
 }
@@ -123,10 +133,12 @@ std::vector<std::string> ZeroOptimizer::parameter_aliases(size_t group, size_t i
   return impl_->parameter_aliases(group, index);
 }
 void ZeroOptimizer::save_checkpoint(const std::string& path, const CheckpointSaveOptions& options) {
+  Communicator::CallScope call(impl_->communicator(), "save_checkpoint");
   impl_->save_checkpoint(path, options);
 }
 LoadedCheckpoint ZeroOptimizer::load_checkpoint(const std::string& path,
                                                 const CheckpointLoadOptions& options) {
+  Communicator::CallScope call(impl_->communicator(), "load_checkpoint");
   return impl_->load_checkpoint(path, options);
 }
 void ZeroOptimizer::wait_for_checkpoint() { impl_->wait_for_checkpoint(); }
@@ -138,11 +150,15 @@ void ZeroOptimizer::set_checkpoint_store(c10::intrusive_ptr<c10d::Store> store,
 void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const { impl_->save(archive); }
 void ZeroOptimizer::load(torch::serialize::InputArchive& archive) { impl_->load(archive); }
 std::vector<std::vector<at::Tensor>> ZeroOptimizer::full_parameters(int64_t rank) {
+  Communicator::CallScope call(impl_->communicator(), "full_parameters");
   return impl_->full_parameters(rank);
 }
 int64_t ZeroOptimizer::num_units() const { return impl_->num_units(); }
 int64_t ZeroOptimizer::unit_index(const std::string& name) const { return impl_->unit_index(name); }
-void ZeroOptimizer::unit_pre_forward(int64_t unit) { impl_->unit_pre_forward(unit); }
+void ZeroOptimizer::unit_pre_forward(int64_t unit) {
+  Communicator::CallScope call(impl_->communicator(), "forward");
+  impl_->unit_pre_forward(unit);
+}
 void ZeroOptimizer::unit_post_forward(int64_t unit) { impl_->unit_post_forward(unit); }
 void ZeroOptimizer::unit_track_output(int64_t unit, const at::Tensor& output) {
   impl_->unit_track_output(unit, output);
@@ -163,12 +179,15 @@ void ZeroOptimizer::set_host_channel(c10::intrusive_ptr<c10d::ProcessGroup> grou
   }
 }
 void ZeroOptimizer::pin_parameters(const std::vector<at::Tensor>& params) {
+  Communicator::CallScope call(impl_->communicator(), "gathered_parameters");
   impl_->pin_parameters(params);
 }
 void ZeroOptimizer::unpin_parameters(const std::vector<at::Tensor>& params, int64_t modifier_rank) {
+  Communicator::CallScope call(impl_->communicator(), "gathered_parameters");
   impl_->unpin_parameters(params, modifier_rank);
 }
 void ZeroOptimizer::broadcast_buffers(const std::vector<at::Tensor>& buffers) {
+  Communicator::CallScope call(impl_->communicator(), "broadcast_buffers");
   impl_->broadcast_buffers(buffers);
 }
 const std::vector<std::vector<at::Tensor>>& ZeroOptimizer::replacement_parameters() const {

@@ -6,10 +6,12 @@ checkpoints that load at any layout, and the full model state. Mixed into
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +24,18 @@ _IN_FLIGHT: weakref.WeakSet[OptimizerCheckpointing] = weakref.WeakSet()
 # Every optimizer of this process: interpreter exit releases what a live one
 # still holds (see [Note: release at exit]).
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # ZeroOptimizer's, with _release_at_exit
+
+
+@contextlib.contextmanager
+def public_call(impl: Any, name: str) -> Iterator[None]:
+    """Names the public call this rank is in (``impl``: the C++ core), for the
+    errors that say which call each rank is in when ranks diverge: see
+    [Note: Which call a rank is in] in csrc/include/zeroshard/communicator.h."""
+    impl.enter_call(name)
+    try:
+        yield
+    finally:
+        impl.exit_call()
 
 
 @atexit.register
@@ -115,8 +129,9 @@ class OptimizerCheckpointing:
         # The core holds the hyper-parameters of the last step(); a scheduler
         # has changed the lr since. The checkpoint keeps what the next step
         # uses (it restores them on load).
-        self._impl.set_hyperparameters(self._hyperparameters())
-        self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
+        with public_call(self._impl, "save_checkpoint"):
+            self._impl.set_hyperparameters(self._hyperparameters())
+            self._impl.save_checkpoint(os.fspath(path), async_save=async_save)
         if async_save:
             _IN_FLIGHT.add(self)
 
@@ -155,7 +170,8 @@ class OptimizerCheckpointing:
         names when the optimizer knows the model, else ``"group{g}.{i}"``.
         Values are the master weights.
         """
-        full = self._impl.full_parameters(rank)
+        with public_call(self._impl, "full_state_dict"):
+            full = self._impl.full_parameters(rank)
         if not full or not full[0]:
             return {}
         by_id = {

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import _C
-from zeroshard.checkpointing import _LIVE, OptimizerCheckpointing
+from zeroshard.checkpointing import _LIVE, OptimizerCheckpointing, public_call
 from zeroshard.groups import data_parallel_groups, store_of
 from zeroshard.host_channel import add_host_backend
 from zeroshard.measurements import OptimizerMeasurements
@@ -427,9 +427,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
                 loss = closure()
         if grad_scaler is not None:
             self._unscale_for(grad_scaler)
-        self._impl.set_hyperparameters(self._hyperparameters())
         try:
-            self._impl.step()
+            with public_call(self._impl, "step"):
+                self._impl.set_hyperparameters(self._hyperparameters())
+                self._impl.step()
         except RuntimeError as error:
             # A failed collective is DistBackendError wherever it surfaces
             # (autograd already translates those raised in backward hooks).

@@ -251,6 +251,26 @@ class Communicator {
     Communicator& comm_;
     bool previous_;
   };
+  // [Note: Which call a rank is in]
+  // The public call (step, full_state_dict, save_checkpoint, forward, ...)
+  // this rank is in, named in errors when ranks diverge or a collective fails
+  // ([Note: Ranks in different calls] in rank_health.h). Calls nest (the
+  // Python full_state_dict calls the C++ full_parameters): the outermost one
+  // is the user's, and names the rank's call. Memory only: the heartbeat
+  // thread publishes it.
+  void enter_call(const std::string& call);
+  void exit_call();
+  const std::string& current_call() const { return call_; }
+  class CallScope {
+   public:
+    CallScope(Communicator& comm, const char* call) : comm_(comm) { comm_.enter_call(call); }
+    ~CallScope() { comm_.exit_call(); }
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+
+   private:
+    Communicator& comm_;
+  };
   // The training step reported in errors.
   void set_step(int64_t step) { step_ = step; }
   int64_t step() const { return step_; }
@@ -335,12 +355,15 @@ class Communicator {
   bool broadcast_all_gather_ = true;
   HostBufferPool receive_buffers_;  // the all-to-all's rows, one step to the next
 
+  // "rank 0 is in full_state_dict (...), rank 1 is in forward (...)"; empty
+  // when this rank has no heartbeat (no failure store).
+  std::string calls_of_ranks(const std::string& about_to_issue);
+  std::string call_ = "";  // see enter_call
+  int64_t call_depth_ = 0;
+  std::string checking_;  // what check_order is checking, named while it waits
+
   friend class PendingCollective;
-  void set_waiting(bool waiting) {
-    if (health_) {
-      health_->set_waiting(waiting);
-    }
-  }
+  void set_waiting(bool waiting, CollectiveKind kind, const std::string& tag);
   void on_waited(CollectiveKind kind, int64_t bytes, const std::string& tag, double seconds);
 };
 

@@ -12,6 +12,11 @@
     python exit_scenarios.py fault kill|stall STAGE
         # the last rank is killed (SIGKILL) or stalls after step 2's forward;
         # the others print the error they got and exit with code 3
+    python exit_scenarios.py calls alone|extra STAGE
+        # every rank alive, in different calls: 'alone': rank 0 calls
+        # full_state_dict() after step 2 and the others do not; 'extra': rank 0
+        # takes a third step while the others save a checkpoint. Each rank
+        # prints the error it got and exits with code 3
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (env:// rendezvous).
 """
@@ -143,6 +148,43 @@ def fault(kind: str, stage: int) -> None:
     print(json.dumps({"rank": rank, "error": None}), flush=True)
 
 
+def different_calls(kind: str, stage: int) -> None:
+    import tempfile
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    extra = {"module": model, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), stage=stage, lr=1e-2, **extra)
+    started = time.monotonic()
+    try:
+        for step in range(3):
+            if step == 2 and kind == "extra" and rank != 0:
+                break  # rank 0 alone takes this step
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            if step == 1 and kind == "alone" and rank == 0:
+                started = time.monotonic()
+                optimizer.full_state_dict()
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as directory:
+            optimizer.save_checkpoint(os.path.join(directory, "checkpoint"))
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "error": f"{type(error).__name__}: {error}",
+                    "seconds": time.monotonic() - started,
+                }
+            ),
+            flush=True,
+        )
+        raise SystemExit(3) from None
+    print(json.dumps({"rank": rank, "error": None}), flush=True)
+
+
 def train_briefly_tensor_parallel(stage: int | None) -> tuple[nn.Module, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -180,6 +222,9 @@ def main() -> None:
     rank = dist.get_rank()
     if sys.argv[1] == "fault":
         fault(sys.argv[2], int(sys.argv[3]))
+        return
+    if sys.argv[1] == "calls":
+        different_calls(sys.argv[2], int(sys.argv[3]))
         return
     if sys.argv[1] == "threads":
         model, optimizer = train_briefly(int(sys.argv[2]))
