@@ -1,5 +1,6 @@
 #include "zeroshard/process_groups.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <utility>
@@ -89,6 +90,29 @@ std::vector<Communicator*> ProcessGroups::communicators() const {
 std::string ProcessGroups::agree(const std::string& local_error, const std::string& tag,
                                  const std::vector<AgreementGroup>& scope) const {
   return agree_on_error(scope.empty() ? this->scope() : scope, local_error, tag);
+}
+
+std::vector<bool> ProcessGroups::same_on_every_rank(
+    const std::vector<int64_t>& values, const std::string& tag,
+    const std::vector<AgreementGroup>& scope) const {
+  const auto n = static_cast<int64_t>(values.size());
+  at::Tensor extremes = at::empty({2 * n}, at::kLong);
+  auto* data = extremes.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    data[i] = values[i];
+    data[n + i] = ~values[i];
+  }
+  for (const AgreementGroup& group : scope.empty() ? this->scope() : scope) {
+    if (group.comm != nullptr) {
+      group.comm->all_reduce_on_host(extremes, c10d::ReduceOp::MAX, group.tag_prefix + tag);
+    }
+  }
+  data = extremes.data_ptr<int64_t>();
+  std::vector<bool> same(values.size());
+  for (int64_t i = 0; i < n; ++i) {
+    same[i] = data[i] == ~data[n + i];
+  }
+  return same;
 }
 
 void ProcessGroups::raise_if_any_failed(const std::string& local_error, const std::string& what,

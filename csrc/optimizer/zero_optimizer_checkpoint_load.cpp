@@ -209,11 +209,7 @@ void ZeroOptimizer::Impl::check_checkpoint_agreement(const CheckpointReader& rea
   // replicas too (often on other nodes): the largest and smallest checksum
   // over every group, the same two numbers on every rank, so all raise
   // together.
-  at::Tensor extremes = at::tensor({index_crc, -index_crc}, at::kLong);
-  groups_->shard().all_reduce_on_host(extremes, c10d::ReduceOp::MAX, "checkpoint_index");
-  groups_->max_across_replicas(extremes, "checkpoint_index");
-  groups_->max_across_model_parallel(extremes, "checkpoint_index");
-  TORCH_CHECK_VALUE(extremes[0].item<int64_t>() == -extremes[1].item<int64_t>(),
+  TORCH_CHECK_VALUE(groups_->same_on_every_rank({index_crc}, "checkpoint_index")[0],
                     "the ranks read different index.json files for checkpoint ", path,
                     " (it must be on a file system every rank sees alike); nothing was loaded");
   // With every index the same, the verdicts below are computed from the same

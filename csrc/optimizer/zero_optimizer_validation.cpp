@@ -230,21 +230,16 @@ std::vector<AgreedValue> option_values(const ZeroOptions& options, InnerOptimize
 std::vector<std::string> differing_values(const ProcessGroups& groups,
                                           const std::vector<AgreedValue>& values,
                                           const std::string& tag) {
-  const auto n = static_cast<int64_t>(values.size());
-  at::Tensor extremes = at::empty({2 * n}, at::kLong);
-  auto* data = extremes.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    data[i] = values[i].bits;
-    data[n + i] = ~values[i].bits;  // the complement's largest is the smallest's complement
+  std::vector<int64_t> bits;
+  for (const AgreedValue& value : values) {
+    bits.push_back(value.bits);
   }
-  // Host knowledge, over the host channel ([Note: the host channel]).
-  groups.shard().all_reduce_on_host(extremes, c10d::ReduceOp::MAX, tag);
-  groups.max_across_replicas(extremes, tag);
-  data = extremes.data_ptr<int64_t>();
+  std::vector<AgreementGroup> scope = groups.scope();
+  scope.resize(2);  // the shard group and the replicas
+  const std::vector<bool> same = groups.same_on_every_rank(bits, tag, scope);
   std::vector<std::string> names;
-  for (int64_t i = 0; i < n; ++i) {
-    if (data[i] != ~data[n + i] &&
-        std::find(names.begin(), names.end(), values[i].name) == names.end()) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!same[i] && std::find(names.begin(), names.end(), values[i].name) == names.end()) {
       names.push_back(values[i].name);
     }
   }

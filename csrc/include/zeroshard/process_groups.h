@@ -55,6 +55,14 @@ class ProcessGroups {
   // rank, "" when none failed (see error_agreement.h for its form).
   std::string agree(const std::string& local_error, const std::string& tag,
                     const std::vector<AgreementGroup>& scope = {}) const;
+  // The primitive for values: collective over `scope` (every group when
+  // empty); for each of `values`, whether every rank holds the same one. One
+  // MAX all-reduce of {v..., ~v...} per group over the host channel (the
+  // complements' largest is the smallest's complement); the same answer on
+  // every rank. Communicator::extremes is its form for one value and one
+  // group (the order check, stage 3's agreements).
+  std::vector<bool> same_on_every_rank(const std::vector<int64_t>& values, const std::string& tag,
+                                       const std::vector<AgreementGroup>& scope = {}) const;
   // agree over every group, then the raise (raise_if_any_rank_failed).
   void raise_if_any_failed(const std::string& local_error, const std::string& what,
                            const std::string& tag) const;
