@@ -347,17 +347,21 @@ void Communicator::check_order(CollectiveKind kind, const at::Tensor& tensor,
   const int64_t other = largest != signature ? largest : smallest;
   const auto known = checked_.find(other);
   const std::string calls = calls_of_ranks(description);
-  TORCH_CHECK(false, "the ranks' collectives diverged at step ", step_, ": rank ", rank_,
-              " is about to issue ", description, " but another rank issued ",
-              known != checked_.end() ? known->second : std::string("a different collective"),
-              calls.empty() ? std::string()
-                            : ". The ranks are in different calls: " + calls +
-                                  ". Every rank must make the same calls in the same order (a "
-                                  "call such as full_state_dict() or save_checkpoint() on every "
-                                  "rank, the same number of steps)",
-              ". Every rank must run the same modules in the same order (stage 3 gathers "
-              "parameters from module hooks); data-dependent control flow must agree across "
-              "ranks");
+  // DistBackendError, as the other ranks' failed collective raises: one kind
+  // of exception for one divergence, whichever rank saw it first.
+  C10_THROW_ERROR(
+      DistBackendError,
+      c10::str("the ranks' collectives diverged at step ", step_, ": rank ", rank_,
+               " is about to issue ", description, " but another rank issued ",
+               known != checked_.end() ? known->second : std::string("a different collective"),
+               calls.empty() ? std::string()
+                             : ". The ranks are in different calls: " + calls +
+                                   ". Every rank must make the same calls in the same order (a "
+                                   "call such as full_state_dict() or save_checkpoint() on every "
+                                   "rank, the same number of steps)",
+               ". Every rank must run the same modules in the same order (stage 3 gathers "
+               "parameters from module hooks); data-dependent control flow must agree across "
+               "ranks"));
 }
 
 std::string Communicator::calls_of_ranks(const std::string& about_to_issue) {
