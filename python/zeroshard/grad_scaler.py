@@ -19,7 +19,7 @@ __all__: list[str] = []
 # ZeroOptimizer's gradients are reduced into its shards and .grad is freed,
 # so torch's unscale_ found nothing and the clip ran on scaled gradients.
 # Routed, unscale_ of such an optimizer finishes the reduction and divides
-# the shards by the scale (a device tensor: no host sync), and the coming
+# the shards by the scale (a device tensor, read on the host only by offload), and the coming
 # step checks them for inf/NaN; every other call is torch's own (stage 1
 # keeps .grad, which torch unscales in place before the step reduces it).
 # The scaler's per-optimizer state records the unscale as torch's does, so

@@ -473,7 +473,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
 
     def _unscale_shards(self, inv_scale: torch.Tensor) -> None:
         """Reduces the gradients (if not yet) and multiplies the averaged
-        gradient shards by ``inv_scale`` (a tensor: no host sync); the coming
+        gradient shards by ``inv_scale`` (a tensor: read on the host only by offload); the coming
         step checks them for inf/NaN ([Note: GradScaler's unscale_ routed])."""
         self._impl.scale_gradients(inv_scale)
         self._impl.check_next_step_for_overflow()

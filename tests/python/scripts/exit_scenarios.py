@@ -72,6 +72,21 @@ import zeroshard  # noqa: E402
 KEPT: list = []  # what a leaky script keeps to the end
 
 
+def report_error(rank: int, error: Exception, started: float) -> None:
+    """Prints the error (and how long after `started` it came) for the test; exits 3."""
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "error": f"{type(error).__name__}: {error}",
+                "seconds": time.monotonic() - started,
+            }
+        ),
+        flush=True,
+    )
+    raise SystemExit(3) from None
+
+
 def train_briefly(stage: int) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -134,17 +149,7 @@ def fault(kind: str, stage: int) -> None:
             loss.backward()
             optimizer.step()
     except Exception as error:  # noqa: BLE001 - reported to the test
-        print(
-            json.dumps(
-                {
-                    "rank": rank,
-                    "error": f"{type(error).__name__}: {error}",
-                    "seconds": time.monotonic() - started,
-                }
-            ),
-            flush=True,
-        )
-        raise SystemExit(3) from None
+        report_error(rank, error, started)
     print(json.dumps({"rank": rank, "error": None}), flush=True)
 
 
@@ -171,17 +176,7 @@ def different_calls(kind: str, stage: int) -> None:
         with tempfile.TemporaryDirectory() as directory:
             optimizer.save_checkpoint(os.path.join(directory, "checkpoint"))
     except Exception as error:  # noqa: BLE001 - reported to the test
-        print(
-            json.dumps(
-                {
-                    "rank": rank,
-                    "error": f"{type(error).__name__}: {error}",
-                    "seconds": time.monotonic() - started,
-                }
-            ),
-            flush=True,
-        )
-        raise SystemExit(3) from None
+        report_error(rank, error, started)
     print(json.dumps({"rank": rank, "error": None}), flush=True)
 
 
