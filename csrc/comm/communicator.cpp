@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
 #include <tuple>
 
@@ -399,6 +400,26 @@ std::pair<int64_t, int64_t> Communicator::extremes(int64_t value, const std::str
   return {e[0], -e[1]};
 }
 
+namespace {
+
+// A host tensor's collective ([Note: the host channel]): over the host group
+// in place, or, without one, through a device copy read back (a counted sync).
+void through_host_channel(
+    at::Tensor& tensor, c10d::ProcessGroup* host_group, c10d::ProcessGroup& group,
+    c10::Device device, HostSyncCounter* host_syncs,
+    const std::function<void(c10d::ProcessGroup&, std::vector<at::Tensor>&)>& run) {
+  if (host_group != nullptr) {
+    std::vector<at::Tensor> tensors{tensor};
+    run(*host_group, tensors);
+    return;
+  }
+  std::vector<at::Tensor> tensors{tensor.to(device)};
+  run(group, tensors);
+  tensor.copy_(read_to_host(tensors[0], host_syncs, HostSync::kHostDataOnDevice));
+}
+
+}  // namespace
+
 void Communicator::all_reduce_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
                                       const std::string& tag) {
   TORCH_INTERNAL_ASSERT(tensor.device().is_cpu(), "all_reduce_on_host takes host tensors");
@@ -413,18 +434,12 @@ void Communicator::send_on_host(at::Tensor& tensor, c10d::ReduceOp::RedOpType op
   }
   c10d::AllreduceOptions options;
   options.reduceOp = op;
-  if (host_group_) {
-    std::vector<at::Tensor> tensors{tensor};
-    track(host_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
-          tag)
-        .wait();
-    return;
-  }
-  std::vector<at::Tensor> tensors{tensor.to(device_)};
-  track(process_group_->allreduce(tensors, options), CollectiveKind::kAllReduce, bytes_of(tensor),
-        tag)
-      .wait();
-  tensor.copy_(read_to_host(tensors[0], host_syncs_, HostSync::kHostDataOnDevice));
+  through_host_channel(tensor, host_group_.get(), *process_group_, device_, host_syncs_,
+                       [&](c10d::ProcessGroup& group, std::vector<at::Tensor>& tensors) {
+                         track(group.allreduce(tensors, options), CollectiveKind::kAllReduce,
+                               bytes_of(tensor), tag)
+                             .wait();
+                       });
 }
 
 void Communicator::broadcast_on_host(at::Tensor& tensor, int64_t root, const std::string& tag) {
@@ -435,18 +450,12 @@ void Communicator::broadcast_on_host(at::Tensor& tensor, int64_t root, const std
   check_order(CollectiveKind::kBroadcast, tensor, tag);
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  if (host_group_) {
-    std::vector<at::Tensor> tensors{tensor};
-    track(host_group_->broadcast(tensors, options), CollectiveKind::kBroadcast, bytes_of(tensor),
-          tag)
-        .wait();
-    return;
-  }
-  std::vector<at::Tensor> tensors{tensor.to(device_)};
-  track(process_group_->broadcast(tensors, options), CollectiveKind::kBroadcast, bytes_of(tensor),
-        tag)
-      .wait();
-  tensor.copy_(read_to_host(tensors[0], host_syncs_, HostSync::kHostDataOnDevice));
+  through_host_channel(tensor, host_group_.get(), *process_group_, device_, host_syncs_,
+                       [&](c10d::ProcessGroup& group, std::vector<at::Tensor>& tensors) {
+                         track(group.broadcast(tensors, options), CollectiveKind::kBroadcast,
+                               bytes_of(tensor), tag)
+                             .wait();
+                       });
 }
 
 void Communicator::all_gather_on_host(at::Tensor& output, const at::Tensor& input,
