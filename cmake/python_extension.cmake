@@ -29,6 +29,7 @@ add_library(zeroshard_python MODULE
   csrc/bindings/module_estimator.cpp
   csrc/bindings/module_hooks.cpp
   csrc/bindings/module_host_kernel.cpp
+  csrc/bindings/module_update_rules.cpp
 )
 target_link_libraries(zeroshard_python PRIVATE zeroshard ${TORCH_PYTHON_LIBRARY} Python3::Module)
 target_compile_definitions(zeroshard_python PRIVATE TORCH_EXTENSION_NAME=_C

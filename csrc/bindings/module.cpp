@@ -6,6 +6,7 @@
 #include "zeroshard/nvme_state_swapper.h"
 #include "zeroshard/optimizer_states.h"
 #include "zeroshard/partition_layout.h"
+#include "zeroshard/update_rule.h"
 #include "zeroshard/zero_optimizer.h"
 
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -31,6 +32,7 @@ namespace zeroshard {
 void bind_module_hooks(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_host_kernel(py::module_& m);
+void bind_update_rules(py::module_& m);
 void bind_estimator(py::module_& m);  // module_estimator.cpp
 }  // namespace zeroshard
 
@@ -58,19 +60,33 @@ py::dict swap_io_stats(const Swapper& swapper) {
 
 NoGilHolder<ZeroOptimizer> make_zero_optimizer(
     const std::vector<std::vector<at::Tensor>>& groups,
-    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const std::string& optimizer,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const py::object& optimizer,
     const std::vector<py::dict>& group_hyperparameters, const py::dict& zero_options,
     const std::vector<std::pair<std::string, std::vector<at::Tensor>>>& units,
     const c10::intrusive_ptr<c10d::ProcessGroup>& replicate_group) {
   TORCH_CHECK_VALUE(groups.size() == group_hyperparameters.size(),
                     "one hyper-parameter dict per parameter group expected");
-  const InnerOptimizerKind kind = parse_inner_optimizer(optimizer);
+  // `optimizer`: a built-in rule's name, or one UpdateRule per group.
+  const bool rules = !py::isinstance<py::str>(optimizer);
+  std::vector<std::shared_ptr<UpdateRule>> group_rules;
+  if (rules) {
+    group_rules = optimizer.cast<std::vector<std::shared_ptr<UpdateRule>>>();
+    TORCH_CHECK_VALUE(group_rules.size() == groups.size() && !groups.empty(),
+                      "one update rule per parameter group expected");
+  }
+  auto options_of = [&](size_t g) -> std::unique_ptr<torch::optim::OptimizerOptions> {
+    if (rules) {
+      return std::make_unique<RuleOptions>(group_rules[g],
+                                           json_from_python(group_hyperparameters[g]));
+    }
+    return make_options(parse_inner_optimizer(optimizer.cast<std::string>()),
+                        g < group_hyperparameters.size() ? group_hyperparameters[g] : py::dict());
+  };
   std::vector<torch::optim::OptimizerParamGroup> param_groups;
   for (size_t g = 0; g < groups.size(); ++g) {
-    param_groups.emplace_back(groups[g], make_options(kind, group_hyperparameters[g]));
+    param_groups.emplace_back(groups[g], options_of(g));
   }
-  auto defaults =
-      make_options(kind, group_hyperparameters.empty() ? py::dict() : group_hyperparameters[0]);
+  auto defaults = options_of(0);
   const ZeroOptions options = zero_options_from(zero_options);
   std::vector<ParameterUnit> parameter_units;
   for (const auto& [name, params] : units) {
@@ -149,7 +165,7 @@ PYBIND11_MODULE(_C, m) {
       "optimizer_state_names",
       [] {
         std::vector<std::string> names;
-        for (zeroshard::OptimizerStateName state : zeroshard::kAllOptimizerStates) {
+        for (zeroshard::OptimizerStateName state : zeroshard::all_optimizer_states()) {
           names.emplace_back(zeroshard::optimizer_state_name(state));
         }
         return names;
@@ -178,6 +194,7 @@ PYBIND11_MODULE(_C, m) {
   zeroshard::bind_module_hooks(m);
   zeroshard::bind_engine(m);
   zeroshard::bind_host_kernel(m);
+  zeroshard::bind_update_rules(m);
   zeroshard::bind_checkpoint_io(m);
   zeroshard::bind_optimizer_checkpoint(optimizer_class);
   optimizer_class

@@ -69,7 +69,8 @@ void bind_estimator(py::module_& m) {
          double param_max_in_cpu, int64_t param_buffer_count, int64_t tensor_parallel_size,
          int64_t pipeline_parallel_size, double activation_bytes, double reduce_bucket_size,
          int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device,
-         double max_live_parameters, bool reduce_in_fp32, bool swap_gradients) {
+         double max_live_parameters, bool reduce_in_fp32, bool swap_gradients,
+         int64_t optimizer_states) {
         return estimate_dict(zeroshard::estimate_memory(
             stage, estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                     precision, optimizer, offload_optimizer, offload_param,
@@ -84,7 +85,8 @@ void bind_estimator(py::module_& m) {
                        .host_device(host_device)
                        .max_live_parameters(max_live_parameters)
                        .reduce_in_fp32(reduce_in_fp32)
-                       .swap_gradients(swap_gradients)));
+                       .swap_gradients(swap_gradients)
+                       .optimizer_states(optimizer_states)));
       },
       py::arg("stage"), py::arg("num_params"), py::arg("largest_unit_params"),
       py::arg("world_size"), py::arg("ranks_per_node"), py::arg("precision"), py::arg("optimizer"),
@@ -103,7 +105,8 @@ void bind_estimator(py::module_& m) {
       py::arg("host_device") = defaults.host_device(),
       py::arg("max_live_parameters") = defaults.max_live_parameters(),
       py::arg("reduce_in_fp32") = defaults.reduce_in_fp32(),
-      py::arg("swap_gradients") = defaults.swap_gradients());
+      py::arg("swap_gradients") = defaults.swap_gradients(),
+      py::arg("optimizer_states") = defaults.optimizer_states());
   m.def(
       "estimate_defaults",
       [defaults] {

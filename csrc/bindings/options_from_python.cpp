@@ -1,5 +1,7 @@
 #include "options_from_python.h"
 
+#include "zeroshard/update_rule.h"
+
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
 #include <torch/csrc/api/include/torch/optim/sgd.h>
@@ -32,6 +34,9 @@ void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptio
     }
   };
   switch (kind) {
+    case InnerOptimizerKind::kRule:
+      static_cast<RuleOptions&>(options).hyperparameters() = json_from_python(values);
+      break;
     case InnerOptimizerKind::kAdam:
       adam_like(static_cast<torch::optim::AdamOptions&>(options));
       break;

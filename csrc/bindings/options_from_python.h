@@ -18,6 +18,9 @@ void apply_hyperparameters(InnerOptimizerKind kind, torch::optim::OptimizerOptio
                            const pybind11::dict& values);
 std::unique_ptr<torch::optim::OptimizerOptions> make_options(InnerOptimizerKind kind,
                                                              const pybind11::dict& values);
+// Plain Python values (a hyper-parameter dict) as JSON, through Python's json
+// module: a value it cannot write raises its TypeError.
+nlohmann::json json_from_python(const pybind11::handle& values);
 ZeroOptions zero_options_from(const pybind11::dict& values);
 pybind11::dict zero_option_defaults();
 // Each inner optimizer's hyper-parameters with their defaults

@@ -87,7 +87,13 @@ int64_t state_count(StateKind optimizer) {
 }
 
 StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer) {
-  const auto states = static_cast<double>(state_count(optimizer));
+  return state_bytes_per_param(precision, state_count(optimizer));
+}
+
+StateBytes state_bytes_per_param(PrecisionRecipe precision, int64_t state_count) {
+  TORCH_CHECK_VALUE(state_count >= 0, "an optimizer keeps 0 or more states per element; got ",
+                    state_count);
+  const auto states = static_cast<double>(state_count);
   StateBytes bytes;
   if (precision == PrecisionRecipe::kMixed16) {
     bytes.param = 2;
@@ -160,7 +166,10 @@ MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options) {
   const double psi = options.num_params() / static_cast<double>(tp * pp);
   const double n = static_cast<double>(options.world_size() / (tp * pp));
   const double largest = options.largest_unit_params() / static_cast<double>(tp);
-  const StateBytes per = state_bytes_per_param(options.precision(), options.optimizer());
+  const StateBytes per =
+      options.optimizer_states() >= 0
+          ? state_bytes_per_param(options.precision(), options.optimizer_states())
+          : state_bytes_per_param(options.precision(), options.optimizer());
 
   // The buckets' and the gradient shard's bytes per element.
   const double reduced =

@@ -130,6 +130,9 @@ void OffloadedOptimizerState::check_swap_room(size_t g, OptimizerStateName name)
 }
 
 bool OffloadedOptimizerState::present(const SubGroupState& state, OptimizerStateName name) const {
+  if (static_cast<int>(name) >= kBuiltinOptimizerStates) {
+    return false;  // a rule's own state: offloaded shards run the built-in rules only
+  }
   if (!on_nvme(state)) {
     return state.tensors[index_of(name)].defined();
   }
@@ -162,6 +165,11 @@ int64_t OffloadedOptimizerState::swap_slot(OptimizerStateName name) const {
 void OffloadedOptimizerState::ensure_states(size_t g,
                                             const std::vector<OptimizerStateName>& names) {
   for (OptimizerStateName name : names) {
+    TORCH_CHECK_VALUE(static_cast<int>(name) < kBuiltinOptimizerStates, "optimizer state '",
+                      optimizer_state_name(name),
+                      "' cannot be offloaded: offload_optimizer runs Adam, AdamW and SGD on "
+                      "the host, whose states are exp_avg, exp_avg_sq, max_exp_avg_sq and "
+                      "momentum_buffer");
     check_swap_room(g, name);  // before anything changes
   }
   for (auto& state : groups_[g]) {

@@ -1,5 +1,7 @@
 #include "device_shard_storage.h"
 
+#include "zeroshard/update_rule.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -23,6 +25,13 @@ void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& 
   // was 4 bytes per shard element on top of the model states, the largest
   // transient of a stage 3 step.
   const bool widen = grad_shard.scalar_type() != at::kFloat;
+  if (kind_ == InnerOptimizerKind::kRule) {
+    update_by_rule(g, static_cast<const RuleOptions&>(options), runs, grad_shard);
+    if (callbacks.buckets_updated) {
+      callbacks.buckets_updated(layout.buckets().size());
+    }
+    return;
+  }
   for (const UpdateRun& run : runs) {
     if (callbacks.buckets_updated) {  // the buckets before this run are complete
       callbacks.buckets_updated(static_cast<size_t>(run.bucket));
@@ -53,6 +62,42 @@ void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& 
     // buckets a rank's runs fall in depends on its slice and on skipped
     // parameters, but the order of the gathers must not.
     callbacks.buckets_updated(layout.buckets().size());
+  }
+}
+
+void DeviceShardStorage::update_by_rule(size_t g, const RuleOptions& options,
+                                        const std::vector<UpdateRun>& runs,
+                                        const at::Tensor& grad_shard) {
+  GroupBuffers& shard = buffers_[g];
+  const GroupLayout& layout = layout_.group(g);
+  const std::vector<OptimizerStateName> states = rule_states(options);
+  // The pieces of parameters the runs cover ([Note: elementwise rules on
+  // shards] in update_rule.h); the padding between them is left alone.
+  std::vector<ParameterShard> pieces;
+  auto segment = shard.segments.begin();
+  for (const UpdateRun& run : runs) {
+    const Bucket& bucket = layout.buckets()[run.bucket];
+    const at::Tensor master = master_view(g, bucket);
+    for (; segment != shard.segments.end() && segment->shard_offset < run.offset + run.length;
+         ++segment) {
+      if (segment->shard_offset < run.offset || segment->numel == 0) {
+        continue;
+      }
+      ParameterShard piece;
+      piece.group = g;
+      piece.parameter = segment->param_index;
+      piece.param_offset = segment->param_offset;
+      piece.step = run.step;
+      piece.param = master.narrow(0, segment->shard_offset - bucket.shard_offset, segment->numel);
+      piece.grad = grad_shard.narrow(0, segment->shard_offset, segment->numel).to(at::kFloat);
+      for (OptimizerStateName name : states) {
+        piece.states.push_back(shard.state(name).narrow(0, segment->shard_offset, segment->numel));
+      }
+      pieces.push_back(std::move(piece));
+    }
+  }
+  if (!pieces.empty()) {
+    options.rule()->update(options.hyperparameters(), pieces);
   }
 }
 

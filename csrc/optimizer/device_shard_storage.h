@@ -5,6 +5,7 @@
 #include "zeroshard/inner_optimizer.h"
 #include "zeroshard/partition_layout.h"
 #include "zeroshard/shard_storage.h"
+#include "zeroshard/update_rule.h"
 
 #include "group_buffers.h"
 
@@ -43,6 +44,10 @@ class DeviceShardStorage final : public ShardStorage {
               bool fused, const UpdateCallbacks& callbacks) override;
 
  private:
+  // An UpdateRule's step: the runs' parameter pieces, each with its states.
+  void update_by_rule(size_t group, const RuleOptions& options, const std::vector<UpdateRun>& runs,
+                      const at::Tensor& grad_shard);
+
   std::vector<GroupBuffers>& buffers_;
   const PartitionLayout& layout_;
   int64_t rank_;

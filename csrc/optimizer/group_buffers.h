@@ -7,7 +7,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -32,13 +31,23 @@ struct GroupBuffers {
   // them with offload_optimizer (OffloadedOptimizerState holds them).
   // Construction, the device update and stage 3's gather read them here;
   // everything else goes through ShardStorage (shard_storage.h).
-  std::array<at::Tensor, kAllOptimizerStates.size()> states;
+  // Indexed by the enum's value; registered names ([Note: open state names]
+  // in optimizer_states.h) grow it on first use.
+  std::vector<at::Tensor> states;
   std::vector<int64_t> steps;          // per parameter: updates applied so far
   std::vector<ShardSegment> segments;  // what this rank owns
 
-  at::Tensor& state(OptimizerStateName name) { return states[static_cast<size_t>(name)]; }
+  at::Tensor& state(OptimizerStateName name) {
+    const auto index = static_cast<size_t>(name);
+    if (index >= states.size()) {
+      states.resize(index + 1);
+    }
+    return states[index];
+  }
   const at::Tensor& state(OptimizerStateName name) const {
-    return states[static_cast<size_t>(name)];
+    static const at::Tensor kAbsent;
+    const auto index = static_cast<size_t>(name);
+    return index < states.size() ? states[index] : kAbsent;
   }
 };
 

@@ -37,7 +37,7 @@ ShardState ZeroOptimizer::Impl::shard_state() const {
     const int64_t numel = layout_->group(g).shard_numel();
     state.emplace_back(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)),
                        master_shard(g));
-    for (OptimizerStateName name : kAllOptimizerStates) {
+    for (OptimizerStateName name : all_optimizer_states()) {
       if (name != OptimizerStateName::kMaster && storage().has(g, name)) {
         state.emplace_back(
             group_key(g, optimizer_state_name(name)),
@@ -85,7 +85,7 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
                       "this optimizer state was saved with another partition layout "
                       "(different parameters, groups or reduce_bucket_size)");
     for (size_t g = 0; g < buffers_.size(); ++g) {
-      for (OptimizerStateName state : kAllOptimizerStates) {
+      for (OptimizerStateName state : all_optimizer_states()) {
         auto it = by_key.find(group_key(g, optimizer_state_name(state)));
         if (it != by_key.end()) {
           TORCH_CHECK_VALUE(it->second.numel() == layout_->group(g).shard_numel(), "state '",
@@ -111,7 +111,7 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
     write_master(g, 0,
                  by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
                      .to(fp32_options()));
-    for (OptimizerStateName name : kAllOptimizerStates) {
+    for (OptimizerStateName name : all_optimizer_states()) {
       auto it = by_key.find(group_key(g, optimizer_state_name(name)));
       if (name != OptimizerStateName::kMaster && it != by_key.end()) {
         storage().write(g, name, 0, it->second);
@@ -201,7 +201,7 @@ void ZeroOptimizer::Impl::write_parameter_state(size_t group, int64_t index,
   }
   const ShardSegment* segment = owned_segment(buffers_[group].segments, index);
   at::NoGradGuard no_grad;
-  for (OptimizerStateName state : kAllOptimizerStates) {
+  for (OptimizerStateName state : all_optimizer_states()) {
     if (name == optimizer_state_name(state)) {
       storage().write(group, state, segment->shard_offset, values.detach().reshape({-1}));
     }
@@ -232,7 +232,7 @@ void ZeroOptimizer::Impl::load(torch::serialize::InputArchive& archive) {
     read(key);
   }
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    for (OptimizerStateName state : kAllOptimizerStates) {
+    for (OptimizerStateName state : all_optimizer_states()) {
       read(group_key(g, optimizer_state_name(state)));
     }
     read(group_key(g, "steps"));

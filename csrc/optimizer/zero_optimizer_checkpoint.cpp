@@ -88,7 +88,7 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
                 {"tensor_parallel_size",
                  groups_->model_parallel() ? groups_->model_parallel()->world_size() : 1},
                 {"stage", options_.stage()},
-                {"inner_optimizer", inner_optimizer_name(inner_kind_)},
+                {"inner_optimizer", rule_name()},
                 {"offload_optimizer", offload_device_name(options_.offload_optimizer().device())},
                 {"reduce_bucket_size", options_.reduce_bucket_size()},
                 {"files", json::array()},
@@ -169,7 +169,7 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
           const auto runs = checkpoint_detail::unsplit_runs(tensor_parallel_split(g, i),
                                                             param_groups_[g].params()[i].sizes(),
                                                             segment.param_offset, segment.numel);
-          for (OptimizerStateName state : kAllOptimizerStates) {
+          for (OptimizerStateName state : all_optimizer_states()) {
             if (!storage().has(g, state)) {
               continue;
             }

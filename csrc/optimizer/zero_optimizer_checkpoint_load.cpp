@@ -34,7 +34,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   const bool with_state = options.load_optimizer_states();
   const bool model_parallel = groups_->model_parallel() != nullptr;
   std::unique_ptr<CheckpointReader> reader;
-  std::vector<std::array<at::Tensor, 5>> loaded(buffers_.size());
+  std::vector<std::vector<at::Tensor>> loaded(buffers_.size());
   std::vector<std::vector<int64_t>> steps(buffers_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
   bool same_grouping = false;  // the saved groups are this optimizer's
@@ -54,11 +54,9 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     const json& index = reader->index();
     const std::string dumped = index.dump();
     index_crc = crc32c(dumped.data(), dumped.size());
-    TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() ==
-                                         inner_optimizer_name(inner_kind_),
+    TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() == rule_name(),
                       "checkpoint ", path, " holds the state of optimizer ",
-                      index.at("inner_optimizer"), " but this optimizer is ",
-                      inner_optimizer_name(inner_kind_),
+                      index.at("inner_optimizer"), " but this optimizer is ", rule_name(),
                       "; load with load_optimizer_states=false to take its weights only");
     // Match this optimizer's parameters with the saved ones by name. Under
     // tensor/expert parallelism another rank may hold a saved one (its
@@ -86,7 +84,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       const int64_t shard_numel = layout_->group(g).shard_numel();
       const torch::optim::OptimizerOptions& group_options =
           same_grouping ? *saved_options[g] : param_groups_[g].options();
-      for (OptimizerStateName state : kAllOptimizerStates) {
+      for (OptimizerStateName state : all_optimizer_states()) {
         const bool wanted =
             state == OptimizerStateName::kMaster ||
             (with_state && inner_optimizer_uses_state(inner_kind_, group_options, state));
@@ -112,7 +110,11 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
             },
             [](int64_t, int64_t) {});  // already zeros
         if (any || state == OptimizerStateName::kMaster) {
-          loaded[g][static_cast<size_t>(state)] = values;
+          const auto index = static_cast<size_t>(state);
+          if (loaded[g].size() <= index) {
+            loaded[g].resize(index + 1);
+          }
+          loaded[g][index] = values;
         }
       }
       steps[g] = reader->saved_steps(g);
@@ -182,9 +184,9 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     if (!with_state) {
       continue;
     }
-    for (size_t k = 1; k < kAllOptimizerStates.size(); ++k) {
+    for (size_t k = 1; k < loaded[g].size(); ++k) {
       if (loaded[g][k].defined()) {
-        storage().adopt(g, kAllOptimizerStates[k], loaded[g][k]);
+        storage().adopt(g, static_cast<OptimizerStateName>(k), loaded[g][k]);
       }
     }
     buffers_[g].steps = steps[g];

@@ -63,8 +63,16 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     for (auto& group : param_groups_) {
       validate_inner_options(inner_kind_, group.options());
     }
-    TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ != InnerOptimizerKind::kSGD,
-                      "fused=True is available for Adam and AdamW, not SGD");
+    TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ == InnerOptimizerKind::kAdam ||
+                          inner_kind_ == InnerOptimizerKind::kAdamW,
+                      "fused=True is available for Adam and AdamW, not ", rule_name());
+    TORCH_CHECK_VALUE(inner_kind_ != InnerOptimizerKind::kRule ||
+                          options_.offload_optimizer().device() == OffloadDevice::kNone,
+                      "offload_optimizer runs Adam, AdamW and SGD on the host with its own "
+                      "kernels; the update rule ",
+                      rule_name(),
+                      " runs on the training device only: drop offload_optimizer, or use "
+                      "optimizer 'adam', 'adamw' or 'sgd'");
     TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
                       "units are a stage 3 feature; this optimizer has stage ", options_.stage());
     validate_parameters();

@@ -81,6 +81,8 @@ class ZeroOptimizer::Impl {
   int64_t cached_buffer_bytes() const;
   int64_t release_cached_buffers();
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
+  // The update rule's name, as checkpoints record it (update_rule_name).
+  std::string rule_name() const;
   const ZeroOptions& zero_options() const { return options_; }
   const PartitionLayout& layout() const { return *layout_; }
   Communicator& communicator() { return groups_->shard(); }

@@ -178,6 +178,20 @@ int64_t bits_of(double value) {
   return bits;
 }
 
+// What the ranks compare of one hyper-parameter: a boolean or a number
+// exactly; anything else an update rule takes (null, a string) by a hash of
+// its text, the same function of the bytes on every rank.
+int64_t agreed_bits(const nlohmann::json& value) {
+  if (value.is_boolean()) {
+    return static_cast<int64_t>(value.get<bool>());
+  }
+  if (value.is_number()) {
+    return bits_of(value.get<double>());
+  }
+  const std::string text = value.dump();
+  return static_cast<int64_t>(std::hash<std::string>{}(text));
+}
+
 std::vector<AgreedValue> hyperparameter_values(
     InnerOptimizerKind kind, const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   std::vector<AgreedValue> out;
@@ -191,19 +205,17 @@ std::vector<AgreedValue> hyperparameter_values(
           it.value().is_array() ? std::vector<nlohmann::json>(it.value().begin(), it.value().end())
                                 : std::vector<nlohmann::json>{it.value()};
       for (const auto& element : elements) {
-        out.push_back({name,
-                       element.is_boolean() ? static_cast<int64_t>(element.get<bool>())
-                                            : bits_of(element.get<double>()),
-                       text});
+        out.push_back({name, agreed_bits(element), text});
       }
     }
   }
   return out;
 }
 
-std::vector<AgreedValue> option_values(const ZeroOptions& options, InnerOptimizerKind kind) {
+std::vector<AgreedValue> option_values(const ZeroOptions& options, const std::string& rule) {
   std::vector<AgreedValue> out;
-  out.push_back({"optimizer", static_cast<int64_t>(kind), inner_optimizer_name(kind)});
+  out.push_back(
+      {"optimizer", static_cast<int64_t>(std::hash<std::string>{}(rule)&0x7fffffffffffffff), rule});
   for_each_scalar_zero_option(options, [&](const ZeroOptionInfo& info, const auto& value) {
     using Value = std::decay_t<decltype(value)>;
     std::ostringstream text;
@@ -272,7 +284,7 @@ std::string each_ranks_values(const ProcessGroups& groups, const std::vector<Agr
 void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
   const int64_t fingerprint = layout_->fingerprint();
   const std::string layout_name = "partition layout";
-  std::vector<AgreedValue> values = option_values(options_, inner_kind_);
+  std::vector<AgreedValue> values = option_values(options_, rule_name());
   const std::vector<AgreedValue> hyper = hyperparameter_values(inner_kind_, param_groups_);
   values.insert(values.end(), hyper.begin(), hyper.end());
   values.push_back({layout_name, fingerprint, std::to_string(fingerprint)});
@@ -294,6 +306,25 @@ void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
                     "ranks built their ZeroOptimizers with different options or "
                     "hyper-parameters: ",
                     each, ". Every rank must pass the same ones");
+}
+
+std::string ZeroOptimizer::Impl::rule_name() const {
+  // Each group of an UpdateRule optimizer may run its own rule.
+  std::vector<std::string> names;
+  for (const auto& group : param_groups_) {
+    std::string name = update_rule_name(inner_kind_, group.options());
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      names.push_back(std::move(name));
+    }
+  }
+  if (names.empty()) {
+    return inner_optimizer_name(inner_kind_);
+  }
+  std::string out = names[0];
+  for (size_t i = 1; i < names.size(); ++i) {
+    out += ", " + names[i];
+  }
+  return out;
 }
 
 int32_t ZeroOptimizer::Impl::hyperparameter_hash() const {

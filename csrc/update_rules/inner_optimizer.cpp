@@ -1,6 +1,7 @@
 #include "zeroshard/inner_optimizer.h"
 
 #include "zeroshard/text.h"
+#include "zeroshard/update_rule.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adam.h>
@@ -181,8 +182,18 @@ const char* inner_optimizer_name(InnerOptimizerKind kind) {
       return "adamw";
     case InnerOptimizerKind::kSGD:
       return "sgd";
+    case InnerOptimizerKind::kRule:
+      return "rule";
   }
   return "unknown";
+}
+
+std::string update_rule_name(InnerOptimizerKind kind,
+                             const torch::optim::OptimizerOptions& options) {
+  if (kind == InnerOptimizerKind::kRule) {
+    return static_cast<const RuleOptions&>(options).rule()->name();
+  }
+  return inner_optimizer_name(kind);
 }
 
 InnerOptimizerKind parse_inner_optimizer(const std::string& name) {
@@ -210,9 +221,13 @@ InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions&
   if (dynamic_cast<const torch::optim::SGDOptions*>(&options) != nullptr) {
     return InnerOptimizerKind::kSGD;
   }
+  if (dynamic_cast<const RuleOptions*>(&options) != nullptr) {
+    return InnerOptimizerKind::kRule;
+  }
   TORCH_CHECK_VALUE(false,
                     "unsupported inner optimizer options; zeroshard expects "
-                    "torch::optim::AdamOptions, AdamWOptions or SGDOptions");
+                    "torch::optim::AdamOptions, AdamWOptions, SGDOptions or "
+                    "zeroshard::RuleOptions (an UpdateRule: update_rule.h)");
 }
 
 void validate_inner_options(InnerOptimizerKind kind,
@@ -220,6 +235,11 @@ void validate_inner_options(InnerOptimizerKind kind,
   TORCH_CHECK_VALUE(inner_optimizer_kind_of(options) == kind, "parameter group options are not ",
                     inner_optimizer_name(kind),
                     " options; every group must use the optimizer's options type");
+  if (kind == InnerOptimizerKind::kRule) {
+    const auto& o = static_cast<const RuleOptions&>(options);
+    o.rule()->validate(o.hyperparameters());
+    return;
+  }
   if (kind == InnerOptimizerKind::kSGD) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
     TORCH_CHECK_VALUE(o.lr() >= 0, "Invalid learning rate: ", o.lr(), " (expected lr >= 0)");
@@ -246,6 +266,9 @@ void validate_inner_options(InnerOptimizerKind kind,
 
 std::vector<OptimizerStateName> inner_optimizer_states(
     InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options) {
+  if (kind == InnerOptimizerKind::kRule) {
+    return rule_states(static_cast<const RuleOptions&>(options));
+  }
   if (kind == InnerOptimizerKind::kSGD) {
     if (static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0) {
       return {OptimizerStateName::kMomentumBuffer};
@@ -273,6 +296,9 @@ bool inner_optimizer_uses_state(InnerOptimizerKind kind,
 
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
                         ShardView& view, int64_t step, bool fused) {
+  TORCH_CHECK_VALUE(kind != InnerOptimizerKind::kRule,
+                    "an update rule updates the pieces of its parameters (UpdateRule::update), "
+                    "not a run of a flat shard");
   if (kind == InnerOptimizerKind::kSGD) {
     TORCH_CHECK_VALUE(!fused, "fused=True is available for Adam and AdamW, not SGD");
     sgd_update(static_cast<const torch::optim::SGDOptions&>(options), view, step);
@@ -285,7 +311,8 @@ void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOp
 
 HostAdamArgs host_adam_args(InnerOptimizerKind kind,
                             const torch::optim::OptimizerOptions& options) {
-  TORCH_CHECK_VALUE(kind != InnerOptimizerKind::kSGD, "host_adam_args needs Adam or AdamW options");
+  TORCH_CHECK_VALUE(kind == InnerOptimizerKind::kAdam || kind == InnerOptimizerKind::kAdamW,
+                    "host_adam_args needs Adam or AdamW options");
   const AdamHyper h = adam_hyper(kind, options);
   HostAdamArgs args;
   args.lr = h.lr;

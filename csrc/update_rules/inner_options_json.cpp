@@ -1,5 +1,6 @@
 // Hyper-parameters to and from JSON, for checkpoints, and their defaults.
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/update_rule.h"
 
 #include <torch/csrc/api/include/torch/optim/adam.h>
 #include <torch/csrc/api/include/torch/optim/adamw.h>
@@ -39,8 +40,10 @@ std::unique_ptr<torch::optim::OptimizerOptions> default_inner_options(InnerOptim
       return std::make_unique<torch::optim::AdamWOptions>();
     case InnerOptimizerKind::kSGD:
       return std::make_unique<torch::optim::SGDOptions>(kSgdDefaultLr);
+    case InnerOptimizerKind::kRule:
+      break;
   }
-  TORCH_CHECK(false, "unknown inner optimizer kind ", static_cast<int>(kind));
+  TORCH_CHECK_VALUE(false, "an update rule has no default options: give its RuleOptions");
 }
 
 nlohmann::json inner_optimizer_defaults(InnerOptimizerKind kind) {
@@ -62,6 +65,8 @@ nlohmann::json inner_options_to_json(InnerOptimizerKind kind,
               {"weight_decay", o.weight_decay()},
               {"nesterov", o.nesterov()}};
     }
+    case InnerOptimizerKind::kRule:
+      return static_cast<const RuleOptions&>(options).hyperparameters();
   }
   return {};
 }
@@ -84,6 +89,9 @@ void apply_inner_options_json(InnerOptimizerKind kind, torch::optim::OptimizerOp
       o.nesterov(values.at("nesterov").get<bool>());
       break;
     }
+    case InnerOptimizerKind::kRule:
+      static_cast<RuleOptions&>(options).hyperparameters() = values;
+      break;
   }
 }
 

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +17,9 @@ import torch  # noqa: F401 - libtorch must be loaded before the extension
 from torch import nn
 
 from zeroshard import _C
+from zeroshard.update_rules import TorchOptimizerRule, class_defaults, rule_class
+
+_EMPTY = inspect.Parameter.empty
 
 # estimate()'s defaults for the ZeRO and offload settings: the C++
 # EstimateOptions', which are ZeroOptions' and OffloadOptions' own, so the
@@ -123,7 +128,7 @@ def estimate(
     world_size: int = 1,
     ranks_per_node: int = 1,
     precision: str = "mixed16",
-    optimizer: str = "adamw",
+    optimizer: str | type[torch.optim.Optimizer] = "adamw",
     offload_optimizer: str = "none",
     offload_param: str = "none",
     largest_unit_params: float | None = None,
@@ -149,7 +154,10 @@ def estimate(
     Give ``num_params`` or a ``model`` (its parameters and largest unit are
     counted). ``precision``: ``"mixed16"`` (16-bit params/grads, fp32 master)
     or ``"fp32"``. ``optimizer``: ``"adam"``/``"adamw"`` (two states),
-    ``"adam_amsgrad"`` (three), ``"sgd_momentum"`` (one) or ``"sgd"``. Offload devices: ``"none"``,
+    ``"adam_amsgrad"`` (three), ``"sgd_momentum"`` (one) or ``"sgd"``, or an
+    elementwise ``torch.optim`` class as ``ZeroOptimizer`` takes it, with its
+    default hyper-parameters (``torch.optim.Adagrad``: one state; NAdam:
+    three, its per-parameter ``mu_product`` stored per element). Offload devices: ``"none"``,
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
     ignored (reported as not applicable) below it. ``offload_ratio`` and
     ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``
@@ -190,6 +198,13 @@ def estimate(
     if num_params is None:
         raise ValueError("give num_params or model")
     psi = parse_count(num_params)
+    optimizer_states = -1
+    if not isinstance(optimizer, str):
+        rule = TorchOptimizerRule(rule_class(optimizer))
+        defaults = {k: v for k, v in class_defaults(optimizer).items() if v is not _EMPTY}
+        defaults.setdefault("lr", 1e-3)  # a class without a default lr: any value counts states
+        optimizer_states = len(rule.state_names(json.dumps(defaults)))
+        optimizer = "adamw"  # the recipe's other bytes; its states are counted above
     largest = float(largest_unit_params or 0.0)
     rows = []
     for stage in stages:
@@ -221,6 +236,7 @@ def estimate(
                 float(max_live_parameters),
                 bool(reduce_in_fp32),
                 bool(swap_gradients),
+                optimizer_states,
             )
         )
         row["model_state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]

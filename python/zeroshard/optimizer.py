@@ -8,6 +8,7 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,38 @@ from zeroshard.sharded_state import ShardedOptimizerState, state_range
 from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
+from zeroshard.update_rules import (
+    TorchOptimizerRule,
+    builtin_class,
+    builtin_name,
+    class_defaults,
+    rule_class,
+    rule_name,
+)
+
+
+def _update_rule_of(
+    optimizer: str | type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> tuple[str, TorchOptimizerRule | None, dict[str, Any]]:
+    """``optimizer=`` as (its name, the Python update rule or None for a built-in
+    one, the hyper-parameters it accepts with their defaults). Drops from
+    ``kwargs`` a built-in class's keywords the kernels need not see."""
+    if isinstance(optimizer, str):
+        kind = _canonical_optimizer(optimizer)
+        return kind, None, dict(_DEFAULTS[kind])
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer= takes a name ({sorted(_DEFAULTS)}) or a torch.optim.Optimizer "
+            f"subclass; got {optimizer!r}"
+        )
+    builtin = builtin_name(optimizer, kwargs, _DEFAULTS)
+    if builtin is not None:
+        # Keywords the kernels ignore at these values (foreach, fused=False,
+        # maximize=False, ...) are dropped with the class.
+        for key in set(kwargs) - set(_DEFAULTS[builtin]):
+            del kwargs[key]
+        return builtin, None, dict(_DEFAULTS[builtin])
+    return rule_name(optimizer), TorchOptimizerRule(optimizer), class_defaults(optimizer)
 
 
 @_document_scalar_options
@@ -50,7 +83,16 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             checkpoints, ``full_state_dict()`` and messages, as ``module=``
             does; ``param_names=`` or ``module=``, when given, name them
             instead.
-        optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``.
+        optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (the
+            core's C++ kernels), or a ``torch.optim.Optimizer`` subclass whose
+            update is elementwise (``torch.optim.RAdam``, ``Adagrad``,
+            ``RMSprop``, ``NAdam``, ``Adamax``, ``Adadelta``, ``ASGD``,
+            ``Rprop``, a third-party Lion), run on this rank's pieces of the
+            parameters (``zeroshard.update_rules``). ``torch.optim.Adam``,
+            ``AdamW`` and ``SGD`` with hyper-parameters the kernels take run
+            as the built-in names. A class that is not elementwise (Muon,
+            Adafactor, LBFGS) is refused, naming it. Not with
+            ``offload_optimizer``.
         <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
@@ -119,7 +161,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             expert-parallel degree.
         **optimizer_kwargs: the inner optimizer's hyper-parameters (lr, betas,
             eps, weight_decay, amsgrad; or lr, momentum, dampening,
-            weight_decay, nesterov for SGD).
+            weight_decay, nesterov for SGD; a class's own keywords).
 
     Every rank must construct it with the same parameters and call ``step()``
     together. The model's parameters become views into one flat buffer per
@@ -168,23 +210,38 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         **optimizer_kwargs: Any,
     ) -> None:
         scalar_options = _scalar_zero_options(locals())
-        kind = _canonical_optimizer(optimizer)
-        unknown = set(optimizer_kwargs) - set(_DEFAULTS[kind])
+        kind, rule, accepted = _update_rule_of(optimizer, optimizer_kwargs)
+        unknown = set(optimizer_kwargs) - set(accepted)
         if unknown:
             raise TypeError(
-                _unknown_keywords_message(sorted(unknown), kind, ZeroOptimizer.__init__)
+                _unknown_keywords_message(sorted(unknown), kind, ZeroOptimizer.__init__, accepted)
             )
-        defaults = dict(_DEFAULTS[kind], **optimizer_kwargs)
+        defaults = dict(accepted, **optimizer_kwargs)
+        if rule is not None:
+            missing = sorted(k for k, v in defaults.items() if v is inspect.Parameter.empty)
+            if missing:
+                raise TypeError(f"optimizer {kind} needs the hyper-parameter(s) {missing}")
         self._impl: Any = None
+        # Per group: its own rule and hyper-parameter names, from a group's
+        # "optimizer" key (add_param_group), else None.
+        self._group_rules: list[tuple[TorchOptimizerRule, list[str]] | None] = []
         super().__init__(params, defaults)
         release_pinned_default_groups()  # see [Note: the default group pinned by default arguments]
-        for group in self.param_groups:
+        if any(own is not None for own in self._group_rules) and rule is None:
+            # Groups with rules of their own: the others run optimizer= as
+            # torch's class on pieces too (one kind of update in the core).
+            rule = TorchOptimizerRule(builtin_class(kind))
+        self._rules: list[TorchOptimizerRule] | None = (
+            None if rule is None else [own[0] if own else rule for own in self._group_rules]
+        )
+        self._group_keys = [own[1] if own else list(accepted) for own in self._group_rules]
+        for group, keys in zip(self.param_groups, self._group_keys, strict=True):
             # "param_names": torch.optim's record of named_parameters() input.
-            extra = set(group) - set(_DEFAULTS[kind]) - {"params", "param_names", "initial_lr"}
+            extra = set(group) - set(keys) - {"params", "param_names", "initial_lr", "optimizer"}
             if extra:
                 raise ValueError(
                     f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
-                    f"{kind!r}; it accepts {sorted(_DEFAULTS[kind])}"
+                    f"{group.get('optimizer', kind)!r}; it accepts {sorted(keys)}"
                 )
         groups = data_parallel_groups(process_group, device_mesh, replicate_group)
         process_group = groups.shard
@@ -200,6 +257,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             )
         ignored = {id(p) for p in ignored_params or ()}
         self._kind = kind
+        self._rule = rule  # optimizer='s Python update rule (None: a built-in one)
         self._stage = stage
         self._process_group = process_group
         self._replicate_group = groups.replicate
@@ -228,7 +286,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         self._impl = _C.ZeroOptimizer(
             [tp.locals(group["params"]) for group in self.param_groups],
             process_group,
-            kind,
+            kind if self._rules is None else self._rules,
             self._hyperparameters(),
             zero_options,
             [(unit.name, tp.locals(unit.params)) for unit in units],
@@ -390,8 +448,10 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         return plan_units(module, unit_classes, owned=mine)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
-        keys = _DEFAULTS[self._kind]
-        return [{k: _plain(group[k]) for k in keys} for group in self.param_groups]
+        return [
+            {k: _plain(group[k]) for k in keys}
+            for group, keys in zip(self.param_groups, self._group_keys, strict=True)
+        ]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group during construction; afterwards the layout is fixed."""
@@ -400,7 +460,27 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
                 "zeroshard.ZeroOptimizer cannot add parameter groups after construction: "
                 "the partition layout is fixed; pass all groups to the constructor"
             )
+        if "optimizer" not in param_group:
+            self._group_rules.append(None)
+            super().add_param_group(param_group)
+            return
+        # A group's own update rule: its class's defaults, not optimizer='s.
+        cls = rule_class(param_group["optimizer"])
+        own = class_defaults(cls)
+        missing = sorted(k for k, v in own.items() if v is inspect.Parameter.empty)
+        missing = [k for k in missing if k not in param_group]
+        if missing:
+            raise TypeError(f"optimizer {rule_name(cls)} needs the hyper-parameter(s) {missing}")
+        for key, value in own.items():
+            param_group.setdefault(key, value)
+        shared = next(
+            (r for r in self._group_rules if r is not None and r[0].torch_class is cls), None
+        )
+        self._group_rules.append((shared[0] if shared else TorchOptimizerRule(cls), list(own)))
         super().add_param_group(param_group)
+        # torch.optim filled in optimizer='s defaults as well: not this group's.
+        for key in set(self.defaults) - set(own) - {"params"}:
+            param_group.pop(key, None)
 
     # torch.amp.GradScaler hands itself to step() instead of unscaling .grad,
     # which stages 2 and 3 have reduced into the shard and freed.

@@ -66,7 +66,12 @@ def _document_scalar_options(cls: type) -> type:
     return cls
 
 
-def _unknown_keywords_message(unknown: list[str], kind: str, init: Callable[..., Any]) -> str:
+def _unknown_keywords_message(
+    unknown: list[str],
+    kind: str,
+    init: Callable[..., Any],
+    accepted: Mapping[str, Any] | None = None,
+) -> str:
     """What a misspelled keyword gets: the closest ZeRO option or hyper-parameter
     and both lists (a misspelled ZeRO option would otherwise read as an unknown
     hyper-parameter of the inner optimizer). ``init``: ZeroOptimizer's
@@ -76,7 +81,7 @@ def _unknown_keywords_message(unknown: list[str], kind: str, init: Callable[...,
         for name, parameter in inspect.signature(init).parameters.items()
         if name not in ("self", "params") and parameter.kind is not inspect.Parameter.VAR_KEYWORD
     )
-    hyperparameters = sorted(_DEFAULTS[kind])
+    hyperparameters = sorted(_DEFAULTS[kind] if accepted is None else accepted)
     hints = []
     for name in unknown:
         close = difflib.get_close_matches(name, zero_options + hyperparameters, n=1)

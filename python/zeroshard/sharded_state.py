@@ -14,8 +14,19 @@ from typing import Any
 
 import torch
 
-# The inner optimizers whose torch.optim counterparts keep a "step" per parameter.
+# The built-in rules whose torch.optim counterparts keep a "step" per parameter.
 _COUNTS_STEPS = ("adam", "adamw")
+
+
+def state_format(optimizer: Any, group: int) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
+    """How torch.optim's class keeps a parameter's state in ``group``: the dtype
+    of its ``"step"`` (None: it keeps none) and its per-parameter scalars by
+    name (the core stores them in every element: [Note: a torch.optim class
+    on pieces] in update_rules.py)."""
+    rule = optimizer._rules[group] if optimizer._rules is not None else None
+    if rule is None:
+        return (torch.float32 if optimizer._kind in _COUNTS_STEPS else None), {}
+    return rule.state_format(optimizer._hyperparameters()[group])
 
 
 class ParameterState(MutableMapping[str, Any]):
@@ -33,17 +44,31 @@ class ParameterState(MutableMapping[str, Any]):
     cannot be changed (assigning the value it has is accepted).
     """
 
-    def __init__(self, impl: Any, kind: str, group: int, index: int) -> None:
+    def __init__(
+        self,
+        impl: Any,
+        step_dtype: torch.dtype | None,
+        scalars: dict[str, torch.dtype],
+        group: int,
+        index: int,
+    ) -> None:
         self._impl = impl
-        self._kind = kind
+        self._step_dtype = step_dtype
+        self._scalars = scalars
         self._where = (group, index)
 
     def _read(self) -> dict[str, Any]:
         _, _, steps, states = self._impl.parameter_state(*self._where)
         out: dict[str, Any] = {}
-        if steps > 0 and self._kind in _COUNTS_STEPS:
-            out["step"] = torch.tensor(float(steps), dtype=torch.float32)
-        out.update(states)
+        if steps > 0 and self._step_dtype is not None:
+            out["step"] = torch.tensor(float(steps), dtype=self._step_dtype)
+        for name, values in states.items():
+            dtype = self._scalars.get(name)
+            # A scalar a rank owns no element of reads as absent: it holds none of it.
+            if dtype is None:
+                out[name] = values
+            elif values.numel() > 0:
+                out[name] = values[0].to(dtype)
         return out
 
     def __getitem__(self, key: str) -> Any:
@@ -121,7 +146,7 @@ class ShardedOptimizerState(MutableMapping[torch.Tensor, ParameterState]):
             raise KeyError("optimizer.state[p]: p is not a parameter of this ZeroOptimizer")
         # A parameter not updated yet reads as empty, as torch.optim's
         # defaultdict(dict) gives.
-        return ParameterState(self._impl(), self._optimizer._kind, *where)
+        return ParameterState(self._impl(), *state_format(self._optimizer, where[0]), *where)
 
     def __setitem__(self, p: torch.Tensor, values: Mapping[str, Any]) -> None:
         state = self[p]

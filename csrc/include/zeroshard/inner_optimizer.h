@@ -21,13 +21,19 @@
 
 namespace zeroshard {
 
-enum class InnerOptimizerKind { kAdam, kAdamW, kSGD };
+// kRule: an UpdateRule of the user's behind RuleOptions (update_rule.h);
+// every other function here answers for it through the rule.
+enum class InnerOptimizerKind { kAdam, kAdamW, kSGD, kRule };
 
 const char* inner_optimizer_name(InnerOptimizerKind kind);
+// What checkpoints and messages call the rule of `options`: the built-in
+// kind's name, or an UpdateRule's own name.
+std::string update_rule_name(InnerOptimizerKind kind,
+                             const torch::optim::OptimizerOptions& options);
 // Accepts "adam", "adamw", "sgd" in any case; throws naming the valid names.
 InnerOptimizerKind parse_inner_optimizer(const std::string& name);
 // Which kind a LibTorch options object is (AdamOptions, AdamWOptions,
-// SGDOptions); throws for any other options type.
+// SGDOptions, RuleOptions); throws for any other options type.
 InnerOptimizerKind inner_optimizer_kind_of(const torch::optim::OptimizerOptions& options);
 // Throws, naming the value, if the hyper-parameters are out of range.
 void validate_inner_options(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options);
@@ -57,9 +63,11 @@ struct ShardView {
   at::Tensor momentum_buffer;  // SGD with momentum
 };
 
-// Applies one update. `step` is the step count after incrementing (1 on the
-// first update of these elements). `fused` uses ATen's fused Adam/AdamW
-// kernel, as torch.optim's fused=True (Adam and AdamW only).
+// Applies one update of a built-in kind (a rule's update takes the pieces of
+// its parameters: UpdateRule::update). `step` is the step count after
+// incrementing (1 on the first update of these elements). `fused` uses
+// ATen's fused Adam/AdamW kernel, as torch.optim's fused=True (Adam and
+// AdamW only).
 void apply_inner_update(InnerOptimizerKind kind, const torch::optim::OptimizerOptions& options,
                         ShardView& view, int64_t step, bool fused = false);
 

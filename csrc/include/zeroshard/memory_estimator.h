@@ -46,6 +46,10 @@ struct EstimateOptions {
   TORCH_ARG(int64_t, ranks_per_node) = 1;
   TORCH_ARG(PrecisionRecipe, precision) = PrecisionRecipe::kMixed16;
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
+  // fp32 states per element beside the master, for an update rule of the
+  // user's (update_rule.h: RAdam 2, Adagrad 1, NAdam 3); -1 counts
+  // `optimizer`'s (state_count).
+  TORCH_ARG(int64_t, optimizer_states) = -1;
   TORCH_ARG(OffloadDevice, offload_optimizer) = OffloadDevice::kNone;
   TORCH_ARG(OffloadDevice, offload_param) = OffloadDevice::kNone;
   // The settings below default to the options' own defaults (ZeroOptions,
@@ -169,6 +173,8 @@ struct StateBytes {
   double optimizer = 0;  // K: 12 for mixed-precision Adam, 8 for fp32 Adam
 };
 StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer);
+// The same for a rule keeping `states` fp32 states per element.
+StateBytes state_bytes_per_param(PrecisionRecipe precision, int64_t states);
 
 // Throws for impossible combinations (e.g. parameter offload below stage 3).
 MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options);

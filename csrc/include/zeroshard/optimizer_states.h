@@ -1,35 +1,37 @@
 // The states an optimizer shard may hold and their names: one list, used by
-// the step's storage (offloaded_optimizer_state.h), the per-rank state_dict,
-// the checkpoints and their loading.
+// the step's storage (shard_storage.h), the per-rank state_dict, the
+// checkpoints and their loading.
+//
+// [Note: open state names]
+// The built-in update rules keep the five states of the enum. An update rule
+// of the user's (update_rule.h: RAdam's moments, Adagrad's "sum", Rprop's
+// "prev" and "step_size") names its own states; each new name is registered
+// once per process and gets the next value of the enum, so storage, state
+// dicts and checkpoints handle every state alike, by value and by name. The
+// values of registered names may differ between processes: only names are
+// ever written down.
 #pragma once
 
-#include <array>
+#include <string>
+#include <vector>
 
 namespace zeroshard {
 
-enum class OptimizerStateName { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer };
+enum class OptimizerStateName : int { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer };
 
-// Every state, in the enum's order (the master first).
-inline constexpr std::array<OptimizerStateName, 5> kAllOptimizerStates = {
-    OptimizerStateName::kMaster, OptimizerStateName::kExpAvg, OptimizerStateName::kExpAvgSq,
-    OptimizerStateName::kMaxExpAvgSq, OptimizerStateName::kMomentumBuffer};
+// How many of the enum's values are built in (the registered ones follow).
+inline constexpr int kBuiltinOptimizerStates = 5;
+
+// The state of this name: a built-in one, or one registered now (letters,
+// digits and underscores; "master" is the built-in master). Thread-safe.
+OptimizerStateName optimizer_state_named(const std::string& name);
 
 // The name checkpoints and state_dict keys give a state (torch.optim's names
 // for the moments).
-constexpr const char* optimizer_state_name(OptimizerStateName name) {
-  switch (name) {
-    case OptimizerStateName::kMaster:
-      return "master";
-    case OptimizerStateName::kExpAvg:
-      return "exp_avg";
-    case OptimizerStateName::kExpAvgSq:
-      return "exp_avg_sq";
-    case OptimizerStateName::kMaxExpAvgSq:
-      return "max_exp_avg_sq";
-    case OptimizerStateName::kMomentumBuffer:
-      return "momentum_buffer";
-  }
-  return "?";
-}
+const char* optimizer_state_name(OptimizerStateName name);
+
+// Every state this process knows, in the enum's order (the master first,
+// then the built-in moments, then the registered ones).
+std::vector<OptimizerStateName> all_optimizer_states();
 
 }  // namespace zeroshard

@@ -1,0 +1,90 @@
+// UpdateRule (update_rule.h) for Python: a rule written in Python (a
+// subclass of _C.UpdateRule; zeroshard/update_rules.py runs a torch.optim
+// class) is called from the step with the GIL taken for the call, and its
+// pieces (ParameterShard) reach it as objects with tensor fields. The
+// hyper-parameters cross as JSON text: the Python layer's json module reads
+// and writes them, so every value JSON can hold crosses unchanged.
+#include "options_from_python.h"
+
+#include "zeroshard/update_rule.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace zeroshard {
+namespace {
+
+class PythonUpdateRule : public UpdateRule {
+ public:
+  std::string name() const override {
+    py::gil_scoped_acquire gil;
+    return call("name").cast<std::string>();
+  }
+  std::vector<std::string> state_names(const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    return call("state_names", hyperparameters.dump()).cast<std::vector<std::string>>();
+  }
+  void validate(const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    call("validate", hyperparameters.dump());
+  }
+  void update(const nlohmann::json& hyperparameters, std::vector<ParameterShard>& shards) override {
+    py::gil_scoped_acquire gil;
+    py::list pieces;
+    for (ParameterShard& piece : shards) {
+      pieces.append(py::cast(&piece, py::return_value_policy::reference));
+    }
+    call("update", hyperparameters.dump(), pieces);
+  }
+
+ private:
+  // A Python exception inside the rule becomes the core's error, with its
+  // message: the step then fails on every rank as any error of the update
+  // does, instead of a Python error crossing C++ frames without the GIL.
+  template <typename... Args>
+  py::object call(const char* method, Args&&... args) const {
+    py::function override = py::get_override(static_cast<const UpdateRule*>(this), method);
+    TORCH_CHECK_TYPE(override, "the update rule does not define ", method, "()");
+    try {
+      return override(std::forward<Args>(args)...);
+    } catch (py::error_already_set& e) {
+      // The exception's own message: what() adds the type and a traceback.
+      const std::string what = py::str(e.value()).cast<std::string>();
+      const bool value_error = e.matches(PyExc_ValueError);
+      const bool type_error = e.matches(PyExc_TypeError);
+      TORCH_CHECK_VALUE(!value_error, what);
+      TORCH_CHECK_TYPE(!type_error, what);
+      TORCH_CHECK(false, what);
+    }
+  }
+};
+
+}  // namespace
+
+nlohmann::json json_from_python(const py::handle& values) {
+  const std::string text = py::module_::import("json").attr("dumps")(values).cast<std::string>();
+  return nlohmann::json::parse(text);
+}
+
+void bind_update_rules(py::module_& m) {
+  py::class_<ParameterShard>(m, "ParameterShard",
+                             "One piece of one parameter an update rule updates (update_rule.h).")
+      .def_readonly("group", &ParameterShard::group)
+      .def_readonly("parameter", &ParameterShard::parameter)
+      .def_readonly("param_offset", &ParameterShard::param_offset)
+      .def_readonly("step", &ParameterShard::step)
+      .def_readonly("param", &ParameterShard::param)
+      .def_readonly("grad", &ParameterShard::grad)
+      .def_readonly("states", &ParameterShard::states);
+  py::class_<UpdateRule, PythonUpdateRule, std::shared_ptr<UpdateRule>>(
+      m, "UpdateRule",
+      "An elementwise update rule run on this rank's pieces of the parameters "
+      "(update_rule.h). Subclasses define name(), state_names(hyperparameters_json), "
+      "validate(hyperparameters_json) and update(hyperparameters_json, pieces).")
+      .def(py::init<>());
+}
+
+}  // namespace zeroshard

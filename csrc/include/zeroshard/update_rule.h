@@ -1,0 +1,86 @@
+// zeroshard::UpdateRule: an update rule of the user's, run on this rank's
+// shard. The built-in rules (Adam, AdamW, SGD: inner_optimizer.h) are
+// LibTorch options types; any other elementwise rule (RAdam, Adagrad, Lion,
+// a torch.optim class from Python) is an UpdateRule behind RuleOptions:
+//
+//   auto rule = std::make_shared<MyAdagrad>();
+//   ZeroOptimizer optimizer(params, group,
+//                           RuleOptions(rule, {{"lr", 1e-2}, {"eps", 1e-10}}), options);
+//
+// [Note: elementwise rules on shards]
+// A rank holds pieces of parameters (ShardSegment): a parameter may start on
+// one rank and end on the next. A rule sees each piece as a 1-D tensor with
+// its gradient and states, so only a rule whose update of an element depends
+// on that element alone (and on per-parameter scalars such as the step
+// count) gives the values single-process training gives. Rules that need the
+// whole matrix (Muon, Adafactor) are not elementwise.
+#pragma once
+
+#include "zeroshard/optimizer_states.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/api/include/torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+// One piece of one parameter that this rank updates in this step.
+struct ParameterShard {
+  size_t group = 0;
+  int64_t parameter = 0;     // its index within the group
+  int64_t param_offset = 0;  // the parameter's element this piece starts at
+  // Updates of the parameter including this one: 1 the first time it has a
+  // gradient (its states are then freshly zeroed: a rule with other initial
+  // values sets them).
+  int64_t step = 0;
+  at::Tensor param;                // fp32 master values, 1-D, updated in place
+  at::Tensor grad;                 // fp32, 1-D, averaged over the ranks
+  std::vector<at::Tensor> states;  // state_names()' order, fp32, 1-D, updated in place
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  // What messages and checkpoints call it ("torch.optim.RAdam"); a
+  // checkpoint's states load into a rule of the same name only.
+  virtual std::string name() const = 0;
+  // The fp32 states it keeps per element with these hyper-parameters
+  // (torch.optim's names where it has them: "exp_avg", "sum").
+  virtual std::vector<std::string> state_names(const nlohmann::json& hyperparameters) const = 0;
+  // Throws, naming the value, for hyper-parameters out of range.
+  virtual void validate(const nlohmann::json& /*hyperparameters*/) const {}
+  // One step of the pieces that have a gradient this step, in offset order.
+  virtual void update(const nlohmann::json& hyperparameters,
+                      std::vector<ParameterShard>& shards) = 0;
+};
+
+// A parameter group's options for a rule: the rule and its hyper-parameters
+// as JSON (numbers, booleans, arrays of numbers; "lr" is the learning rate
+// schedulers read and write).
+class RuleOptions : public torch::optim::OptimizerCloneableOptions<RuleOptions> {
+ public:
+  explicit RuleOptions(std::shared_ptr<UpdateRule> rule,
+                       nlohmann::json hyperparameters = nlohmann::json::object());
+
+  const std::shared_ptr<UpdateRule>& rule() const { return rule_; }
+  const nlohmann::json& hyperparameters() const { return hyperparameters_; }
+  nlohmann::json& hyperparameters() { return hyperparameters_; }
+
+  double get_lr() const override;
+  void set_lr(double lr) override;
+
+ private:
+  std::shared_ptr<UpdateRule> rule_;
+  nlohmann::json hyperparameters_;
+};
+
+// The states of `options`' rule as registered names ([Note: open state
+// names] in optimizer_states.h).
+std::vector<OptimizerStateName> rule_states(const RuleOptions& options);
+
+}  // namespace zeroshard

@@ -1,0 +1,185 @@
+// An UpdateRule of the user's (update_rule.h) in a LibTorch program: an
+// Adagrad written against the interface trains on 2 and 3 Gloo ranks (ranks
+// as threads) to LibTorch's torch::optim::Adagrad on the global batch, and
+// its own state ("sum") is saved at 2 ranks and resumed at 3.
+#include "zeroshard/update_rule.h"
+#include "zeroshard/zero_optimizer.h"
+
+#ifdef ZEROSHARD_WITH_GLOO
+#include "rank_threads.h"
+#include "temp_directory.h"
+#endif
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/randn.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/api/include/torch/optim/adagrad.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;
+
+// torch::optim::Adagrad's step, op for op, on pieces of parameters (its
+// defaults: lr_decay 0, initial_accumulator_value 0, eps 1e-10).
+class Adagrad : public UpdateRule {
+ public:
+  std::string name() const override { return "test.Adagrad"; }
+  std::vector<std::string> state_names(const nlohmann::json&) const override { return {"sum"}; }
+  void validate(const nlohmann::json& hyperparameters) const override {
+    TORCH_CHECK_VALUE(hyperparameters.at("lr").get<double>() >= 0, "lr must be >= 0");
+  }
+  void update(const nlohmann::json& h, std::vector<ParameterShard>& shards) override {
+    const double lr = h.at("lr").get<double>();
+    const double weight_decay = h.at("weight_decay").get<double>();
+    const double eps = h.at("eps").get<double>();
+    for (ParameterShard& piece : shards) {
+      at::Tensor grad = piece.grad;
+      if (weight_decay != 0) {
+        grad = grad.add(piece.param, weight_decay);
+      }
+      at::Tensor& sum = piece.states[0];
+      sum.addcmul_(grad, grad, 1.0);
+      piece.param.addcdiv_(grad, sum.sqrt().add_(eps), -lr);
+    }
+  }
+};
+
+struct TinyModel {
+  std::vector<at::Tensor> params;  // w1 [7,5], b1 [7], w2 [3,7], scale [1]
+  explicit TinyModel(uint64_t seed) {
+    auto generator = at::detail::createCPUGenerator(seed);
+    for (auto sizes : std::vector<std::vector<int64_t>>{{7, 5}, {7}, {3, 7}, {1}}) {
+      params.push_back((at::randn(sizes, generator) * 0.5).set_requires_grad(true));
+    }
+  }
+  at::Tensor loss(const at::Tensor& x, const at::Tensor& target) const {
+    at::Tensor h = (x.matmul(params[0].t()) + params[1]).tanh();
+    return (h.matmul(params[2].t()) * params[3] - target).pow(2).mean();
+  }
+};
+
+std::pair<at::Tensor, at::Tensor> GlobalBatch(int step) {
+  auto generator = at::detail::createCPUGenerator(100 + step);
+  at::Tensor x = at::randn({kGlobalBatch, 5}, generator);
+  return {x, at::randn({kGlobalBatch, 3}, generator)};
+}
+
+double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, (a[i].detach() - b[i].detach()).abs().max().item<double>());
+  }
+  return diff;
+}
+
+std::vector<at::Tensor> LibTorchAdagrad(int steps) {
+  TinyModel model(0);
+  torch::optim::Adagrad optimizer(model.params,
+                                  torch::optim::AdagradOptions(0.05).weight_decay(0.01));
+  for (int step = 0; step < steps; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    optimizer.zero_grad();
+    model.loss(x, target).backward();
+    optimizer.step();
+  }
+  return model.params;
+}
+
+RuleOptions AdagradOptions() {
+  return RuleOptions(std::make_shared<Adagrad>(),
+                     {{"lr", 0.05}, {"weight_decay", 0.01}, {"eps", 1e-10}});
+}
+
+#ifdef ZEROSHARD_WITH_GLOO
+
+void Train(int rank, int world, TinyModel& model, ZeroOptimizer& optimizer, int first, int last) {
+  const int64_t per_rank = kGlobalBatch / world;
+  for (int step = first; step < last; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    optimizer.zero_grad();
+    model.loss(x.narrow(0, rank * per_rank, per_rank), target.narrow(0, rank * per_rank, per_rank))
+        .backward();
+    optimizer.step();
+  }
+}
+
+class UpdateRuleTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(UpdateRuleTest, AnAdagradRuleTrainsAsLibTorchAdagrad) {
+  const auto [world, stage] = GetParam();
+  const auto expected = LibTorchAdagrad(8);
+  std::vector<double> diffs(world, -1);
+  std::mutex mutex;
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(rank);  // rank 0's values are broadcast
+    // Buckets of 16 elements: parameters split across ranks and buckets.
+    ZeroOptimizer optimizer(model.params, pg, AdagradOptions(),
+                            ZeroOptions().stage(stage).reduce_bucket_size(16));
+    Train(rank, world, model, optimizer, 0, 8);
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(model.params, expected);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndStages, UpdateRuleTest,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Values(1, 2)));
+
+TEST(UpdateRuleCheckpointTest, SavedAtTwoRanksResumesAtThreeAsOneTraining) {
+  TempDirectory directory;
+  const std::string path = directory.path() + "/ckpt";
+  const auto expected = LibTorchAdagrad(8);
+  auto saved = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, AdagradOptions(),
+                            ZeroOptions().stage(2).reduce_bucket_size(16));
+    Train(rank, 2, model, optimizer, 0, 4);
+    optimizer.save_checkpoint(path);
+  });
+  for (const auto& error : saved) {
+    ASSERT_EQ(error, "");
+  }
+  std::vector<double> diffs(3, -1);
+  std::mutex mutex;
+  auto resumed = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(7);  // other values: the load restores them
+    ZeroOptimizer optimizer(model.params, pg, AdagradOptions(),
+                            ZeroOptions().stage(1).reduce_bucket_size(16));
+    optimizer.load_checkpoint(path);
+    Train(rank, 3, model, optimizer, 4, 8);
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(model.params, expected);
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(resumed[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank;
+  }
+}
+
+TEST(UpdateRuleErrorsTest, OffloadingARuleIsRefusedOnEveryRankNamingIt) {
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptions options;
+    options.offload_optimizer(OffloadOptions().device(OffloadDevice::kCPU));
+    ZeroOptimizer optimizer(model.params, pg, AdagradOptions(), options);
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("test.Adagrad"), std::string::npos) << error;
+    EXPECT_NE(error.find("offload_optimizer"), std::string::npos) << error;
+  }
+}
+
+#endif  // ZEROSHARD_WITH_GLOO
+
+}  // namespace
+}  // namespace zeroshard
