@@ -31,6 +31,15 @@ class PythonUpdateRule : public UpdateRule {
     py::gil_scoped_acquire gil;
     call("validate", hyperparameters.dump());
   }
+  void check_parameter(const std::vector<int64_t>& sizes,
+                       const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    call("check_parameter", sizes, hyperparameters.dump());
+  }
+  bool whole_parameters(const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    return call("whole_parameters", hyperparameters.dump()).cast<bool>();
+  }
   void update(const nlohmann::json& hyperparameters, std::vector<ParameterShard>& shards) override {
     py::gil_scoped_acquire gil;
     py::list pieces;
@@ -75,6 +84,7 @@ void bind_update_rules(py::module_& m) {
       .def_readonly("group", &ParameterShard::group)
       .def_readonly("parameter", &ParameterShard::parameter)
       .def_readonly("param_offset", &ParameterShard::param_offset)
+      .def_readonly("sizes", &ParameterShard::sizes)
       .def_readonly("step", &ParameterShard::step)
       .def_readonly("param", &ParameterShard::param)
       .def_readonly("grad", &ParameterShard::grad)
@@ -83,7 +93,8 @@ void bind_update_rules(py::module_& m) {
       m, "UpdateRule",
       "An elementwise update rule run on this rank's pieces of the parameters "
       "(update_rule.h). Subclasses define name(), state_names(hyperparameters_json), "
-      "validate(hyperparameters_json) and update(hyperparameters_json, pieces).")
+      "validate(hyperparameters_json), check_parameter(sizes, hyperparameters_json), "
+      "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces).")
       .def(py::init<>());
 }
 

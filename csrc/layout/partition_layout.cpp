@@ -26,8 +26,11 @@ uint64_t mix(uint64_t hash, int64_t value) {
 
 GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
                          int64_t bucket_numel, const std::vector<int64_t>& param_units,
-                         int64_t alignment)
-    : world_size_(world_size), bucket_numel_(bucket_numel), alignment_(alignment) {
+                         int64_t alignment, bool whole_parameters)
+    : world_size_(world_size),
+      bucket_numel_(bucket_numel),
+      alignment_(alignment),
+      whole_parameters_(whole_parameters) {
   TORCH_CHECK_VALUE(world_size >= 1, "world_size must be >= 1, got ", world_size);
   TORCH_CHECK_VALUE(bucket_numel >= 1, "bucket size must be >= 1 element, got ", bucket_numel);
   TORCH_CHECK_VALUE(alignment >= 1, "alignment must be >= 1 element, got ", alignment);
@@ -78,9 +81,13 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     if (open_end == 0) {
       return;
     }
-    open.numel = round_up(open_end, world_size_ * alignment_);
-    open.shard_numel = open.numel / world_size_;
     open.end_slot = static_cast<int64_t>(slots_.size());
+    if (whole_parameters_) {
+      place_whole_parameters(open, open.end_slot);
+    } else {
+      open.numel = round_up(open_end, world_size_ * alignment_);
+      open.shard_numel = open.numel / world_size_;
+    }
     offset = open.flat_offset + open.numel;
     buckets_.push_back(open);
     open = Bucket();
@@ -129,6 +136,43 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
                         "shard sizes must sum to the padded flat size");
 }
 
+void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end) {
+  // Largest first, each to the slice with the fewest elements so far (ties
+  // to the lowest rank): the LPT rule, so the slices come out even and the
+  // padding that evens them stays small.
+  std::vector<int64_t> by_size;
+  for (int64_t s = bucket.first_slot; s < end; ++s) {
+    by_size.push_back(s);
+  }
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](int64_t a, int64_t b) { return slots_[a].numel > slots_[b].numel; });
+  std::vector<int64_t> filled(world_size_, 0);  // aligned elements of each slice
+  std::vector<int64_t> owner(slots_.size(), 0);
+  std::vector<int64_t> position(slots_.size(), 0);
+  for (int64_t s : by_size) {
+    const auto rank = std::min_element(filled.begin(), filled.end()) - filled.begin();
+    owner[s] = rank;
+    position[s] = filled[rank];
+    filled[rank] += round_up(slots_[s].numel, alignment_);
+  }
+  bucket.shard_numel =
+      std::max<int64_t>(alignment_, *std::max_element(filled.begin(), filled.end()));
+  bucket.numel = bucket.shard_numel * world_size_;
+  for (int64_t s = bucket.first_slot; s < end; ++s) {
+    ParamSlot& slot = slots_[s];
+    slot.flat_offset = slot.numel == 0
+                           ? bucket.flat_offset
+                           : bucket.flat_offset + owner[s] * bucket.shard_numel + position[s];
+  }
+  // Slots stay in flat-buffer order.
+  std::stable_sort(
+      slots_.begin() + bucket.first_slot, slots_.begin() + end,
+      [](const ParamSlot& a, const ParamSlot& b) { return a.flat_offset < b.flat_offset; });
+  for (int64_t s = bucket.first_slot; s < end; ++s) {
+    slot_of_param_[slots_[s].param_index] = s;
+  }
+}
+
 const ParamSlot& GroupLayout::slot_of_param(int64_t param_index) const {
   TORCH_CHECK_INDEX(param_index >= 0 && param_index < num_params(), "parameter index ", param_index,
                     " out of range [0, ", num_params(), ")");
@@ -168,6 +212,9 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
   if (alignment_ != 1) {  // unaligned layouts keep the fingerprints they had
     hash = mix(hash, alignment_);
   }
+  if (whole_parameters_) {
+    hash = mix(hash, 0x77686f6c65);  // "whole"
+  }
   for (const auto& slot : slots_) {
     hash = mix(hash, slot.param_index);
     hash = mix(hash, slot.numel);
@@ -181,7 +228,8 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
 PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels,
                                  int64_t world_size, int64_t bucket_numel,
                                  const std::vector<std::vector<int64_t>>& group_param_units,
-                                 const std::vector<int64_t>& group_alignments)
+                                 const std::vector<int64_t>& group_alignments,
+                                 const std::vector<bool>& group_whole_parameters)
     : world_size_(world_size) {
   TORCH_CHECK_VALUE(
       group_param_units.empty() || group_param_units.size() == group_param_numels.size(),
@@ -189,11 +237,15 @@ PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_
   TORCH_CHECK_VALUE(
       group_alignments.empty() || group_alignments.size() == group_param_numels.size(),
       "group_alignments must be empty or give one entry per group");
+  TORCH_CHECK_VALUE(
+      group_whole_parameters.empty() || group_whole_parameters.size() == group_param_numels.size(),
+      "group_whole_parameters must be empty or give one entry per group");
   groups_.reserve(group_param_numels.size());
   for (size_t g = 0; g < group_param_numels.size(); ++g) {
     groups_.emplace_back(group_param_numels[g], world_size, bucket_numel,
                          group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g],
-                         group_alignments.empty() ? 1 : group_alignments[g]);
+                         group_alignments.empty() ? 1 : group_alignments[g],
+                         !group_whole_parameters.empty() && group_whole_parameters[g]);
   }
 }
 

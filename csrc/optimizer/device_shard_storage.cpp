@@ -12,8 +12,14 @@ namespace zeroshard {
 
 DeviceShardStorage::DeviceShardStorage(std::vector<GroupBuffers>& buffers,
                                        const PartitionLayout& layout, int64_t rank,
-                                       c10::Device device, InnerOptimizerKind kind)
-    : buffers_(buffers), layout_(layout), rank_(rank), device_(device), kind_(kind) {}
+                                       c10::Device device, InnerOptimizerKind kind,
+                                       std::vector<std::vector<std::vector<int64_t>>> param_shapes)
+    : buffers_(buffers),
+      layout_(layout),
+      rank_(rank),
+      device_(device),
+      kind_(kind),
+      param_shapes_(std::move(param_shapes)) {}
 
 void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& options,
                                 const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
@@ -87,6 +93,12 @@ void DeviceShardStorage::update_by_rule(size_t g, const RuleOptions& options,
       piece.group = g;
       piece.parameter = segment->param_index;
       piece.param_offset = segment->param_offset;
+      piece.sizes = param_shapes_[g][segment->param_index];
+      TORCH_INTERNAL_ASSERT(
+          !layout.whole_parameters() ||
+              (segment->param_offset == 0 &&
+               segment->numel == layout.slot_of_param(segment->param_index).numel),
+          "a whole-parameter layout split parameter ", segment->param_index);
       piece.step = run.step;
       piece.param = master.narrow(0, segment->shard_offset - bucket.shard_offset, segment->numel);
       piece.grad = grad_shard.narrow(0, segment->shard_offset, segment->numel).to(at::kFloat);

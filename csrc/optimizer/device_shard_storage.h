@@ -18,9 +18,12 @@ namespace zeroshard {
 
 class DeviceShardStorage final : public ShardStorage {
  public:
-  // `buffers` and `layout` are the optimizer's and outlive this.
+  // `buffers` and `layout` are the optimizer's and outlive this;
+  // `param_shapes`: each group's parameters' shapes (an UpdateRule's pieces
+  // carry them).
   DeviceShardStorage(std::vector<GroupBuffers>& buffers, const PartitionLayout& layout,
-                     int64_t rank, c10::Device device, InnerOptimizerKind kind);
+                     int64_t rank, c10::Device device, InnerOptimizerKind kind,
+                     std::vector<std::vector<std::vector<int64_t>>> param_shapes);
 
   // This rank's fp32 master values of one bucket, as a view updated in place
   // (the update writes through it): the group's master tensor, or with fp32
@@ -53,6 +56,7 @@ class DeviceShardStorage final : public ShardStorage {
   int64_t rank_;
   c10::Device device_;
   InnerOptimizerKind kind_;
+  std::vector<std::vector<std::vector<int64_t>>> param_shapes_;
 };
 
 }  // namespace zeroshard

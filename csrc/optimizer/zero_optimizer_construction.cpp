@@ -2,6 +2,8 @@
 // the hooks and (stage 3) the gatherer; the bookkeeping of parameters.
 #include "zero_optimizer_impl.h"
 
+#include "zeroshard/update_rule.h"
+
 #include "../checkpoint/checkpoint_detail.h"
 
 #include <ATen/core/grad_mode.h>
@@ -63,6 +65,7 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     for (auto& group : param_groups_) {
       validate_inner_options(inner_kind_, group.options());
     }
+    check_rule_parameters();
     TORCH_CHECK_VALUE(!options_.fused() || inner_kind_ == InnerOptimizerKind::kAdam ||
                           inner_kind_ == InnerOptimizerKind::kAdamW,
                       "fused=True is available for Adam and AdamW, not ", rule_name());
@@ -110,7 +113,13 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
 
   std::vector<std::vector<int64_t>> numels;
   std::vector<int64_t> alignments;  // [Note: aligned slots], in each group's dtype
+  std::vector<bool> whole;          // [Note: whole parameters]
   for (const auto& group : param_groups_) {
+    whole.push_back(
+        inner_kind_ == InnerOptimizerKind::kRule &&
+        static_cast<const RuleOptions&>(group.options())
+            .rule()
+            ->whole_parameters(static_cast<const RuleOptions&>(group.options()).hyperparameters()));
     std::vector<int64_t> group_numels;
     for (const auto& param : group.params()) {
       group_numels.push_back(param.numel());
@@ -119,9 +128,9 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     alignments.push_back(
         group.params().empty() ? 1 : alignment_in_elements(group.params()[0].element_size()));
   }
-  layout_ =
-      std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
-                                        options_.reduce_bucket_size(), param_units, alignments);
+  layout_ = std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
+                                              options_.reduce_bucket_size(), param_units,
+                                              alignments, whole);
   check_layout_agrees_across_ranks();
   std::vector<int64_t> shard_numels;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -149,8 +158,14 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
     stage3_events_ = std::make_unique<GathererGradientEvents>(*gatherer_);
   }
   buffers_.resize(param_groups_.size());
+  std::vector<std::vector<std::vector<int64_t>>> shapes(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const auto& param : param_groups_[g].params()) {
+      shapes[g].push_back(param.sizes().vec());
+    }
+  }
   device_storage_ = std::make_unique<DeviceShardStorage>(
-      buffers_, *layout_, groups_->shard().rank(), device_, inner_kind_);
+      buffers_, *layout_, groups_->shard().rank(), device_, inner_kind_, std::move(shapes));
   parameter_gathers_ = BucketGathers(param_groups_.size());
   for (size_t g = 0; g < buffers_.size(); ++g) {
     buffers_[g].param_options = param_options[g];

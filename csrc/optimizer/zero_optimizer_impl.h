@@ -83,6 +83,8 @@ class ZeroOptimizer::Impl {
   InnerOptimizerKind inner_kind() const { return inner_kind_; }
   // The update rule's name, as checkpoints record it (update_rule_name).
   std::string rule_name() const;
+  // An UpdateRule's check of each parameter's shape (check_parameter).
+  void check_rule_parameters() const;
   const ZeroOptions& zero_options() const { return options_; }
   const PartitionLayout& layout() const { return *layout_; }
   Communicator& communicator() { return groups_->shard(); }

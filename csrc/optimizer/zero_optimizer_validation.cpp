@@ -2,6 +2,8 @@
 // cross-rank agreement on the partition layout.
 #include "zero_optimizer_impl.h"
 
+#include "zeroshard/update_rule.h"
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
@@ -306,6 +308,25 @@ void ZeroOptimizer::Impl::check_layout_agrees_across_ranks() {
                     "ranks built their ZeroOptimizers with different options or "
                     "hyper-parameters: ",
                     each, ". Every rank must pass the same ones");
+}
+
+void ZeroOptimizer::Impl::check_rule_parameters() const {
+  if (inner_kind_ != InnerOptimizerKind::kRule) {
+    return;
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& options = static_cast<const RuleOptions&>(param_groups_[g].options());
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      try {
+        options.rule()->check_parameter(params[i].sizes().vec(), options.hyperparameters());
+      } catch (const c10::Error& e) {
+        TORCH_CHECK_VALUE(false, "update rule ", options.rule()->name(),
+                          " cannot update parameter ", i, " of group ", g, " (shape ",
+                          params[i].sizes(), "): ", e.what_without_backtrace());
+      }
+    }
+  }
 }
 
 std::string ZeroOptimizer::Impl::rule_name() const {

@@ -1,10 +1,14 @@
-"""Any elementwise ``torch.optim`` class as the update rule of a ``ZeroOptimizer``.
+"""Any ``torch.optim`` class whose state is per element as the update rule of a
+``ZeroOptimizer``.
 
-:class:`TorchOptimizerRule` runs a ``torch.optim.Optimizer`` subclass (RAdam,
-Adagrad, RMSprop, NAdam, a third-party Lion written the same way) on this
+:class:`TorchOptimizerRule` runs a ``torch.optim.Optimizer`` subclass on this
 rank's pieces of the parameters: each piece of the fp32 master shard is one
 parameter of the torch optimizer, with its gradient and its state as views
-of the core's flat buffers (``_C.UpdateRule``; ``update_rule.h``).
+of the core's flat buffers (``_C.UpdateRule``; ``update_rule.h``). An
+elementwise class (RAdam, Adagrad, RMSprop, NAdam, a third-party Lion) runs on
+any piece; any other (Muon: Newton-Schulz on the whole matrix) runs on whole
+parameters, which its group's layout gives one rank each ([Note: whole
+parameters] in partition_layout.h).
 
 [Note: a torch.optim class on pieces]
 torch.optim keeps its state per parameter object and creates it on the
@@ -19,8 +23,9 @@ name; ``step`` is the core's own count of the parameter's updates.
 
 Only a class whose update of an element depends on that element alone gives
 single-process results on pieces: each class is checked once, by stepping a
-matrix whole and as two flat pieces and comparing ([Note: elementwise rules
-on shards] in update_rule.h).
+matrix whole and as two flat pieces and comparing; one that differs (or
+refuses flat pieces) runs on whole parameters ([Note: elementwise rules on
+shards] in update_rule.h).
 """
 
 from __future__ import annotations
@@ -28,17 +33,18 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from zeroshard import _C
 
-# torch.optim classes that are not elementwise, with what to use instead.
-_NOT_ELEMENTWISE_HINT = (
-    "zeroshard shards elementwise rules (Adam, AdamW, SGD, RMSprop, Adagrad, Adadelta, "
-    "Adamax, NAdam, RAdam, ASGD, Rprop and third-party rules written the same way); rules "
-    "that need whole matrices (Muon, Adafactor) or a closure (LBFGS) are not supported yet"
+# What a refusal says zeroshard runs.
+_SUPPORTED = (
+    "zeroshard runs torch.optim classes whose state is per element: elementwise ones (Adam, "
+    "AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, a Lion) on "
+    "pieces of parameters, others (Muon) on whole parameters, one rank each; factored states "
+    "(Adafactor) and closures (LBFGS) are not supported yet"
 )
 
 # The built-in rules' classes: run by the core's C++ kernels (the same values)
@@ -132,9 +138,19 @@ def _state_kind(value: Any, param: torch.Tensor) -> str:
     return "other"
 
 
+class _Layout(NamedTuple):
+    """What a class keeps and how it runs, for one set of hyper-parameters."""
+
+    names: list[str]  # its states, in the core's order
+    scalars: dict[str, torch.dtype]  # those that are per-parameter scalars
+    step_dtype: torch.dtype | None  # its "step" (None: it keeps none)
+    whole: bool  # it needs each parameter whole ([Note: whole parameters])
+
+
 class TorchOptimizerRule(_C.UpdateRule):
     """The update rule of one ``torch.optim.Optimizer`` subclass (see the module
-    docstring). Construction checks that the class is elementwise."""
+    docstring). Construction checks how the class runs: elementwise, or on
+    whole parameters."""
 
     def __init__(self, cls: type[torch.optim.Optimizer]) -> None:
         _C.UpdateRule.__init__(self)
@@ -142,9 +158,9 @@ class TorchOptimizerRule(_C.UpdateRule):
         self._name = rule_name(cls)
         # By the hyper-parameters other than lr, as sorted JSON text (a
         # scheduler changes lr every step; the states a class keeps do not
-        # follow it): (state names, per-parameter scalars' dtypes, the step's
-        # dtype or None).
-        self._layouts: dict[str, tuple[list[str], dict[str, torch.dtype], torch.dtype | None]] = {}
+        # follow it).
+        self._layouts: dict[str, _Layout] = {}
+        self._checked_shapes: set[tuple[str, int]] = set()
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
@@ -155,123 +171,161 @@ class TorchOptimizerRule(_C.UpdateRule):
         return self._name
 
     def state_names(self, hyperparameters: str) -> list[str]:
-        return self._layout(json.loads(hyperparameters))[0]
+        return self._layout(json.loads(hyperparameters)).names
 
     def validate(self, hyperparameters: str) -> None:
         self._layout(json.loads(hyperparameters))
 
+    def whole_parameters(self, hyperparameters: str) -> bool:
+        return self._layout(json.loads(hyperparameters)).whole
+
+    def check_parameter(self, sizes: list[int], hyperparameters: str) -> None:
+        """A whole-parameter class on a small tensor of the parameter's number of
+        dimensions (Muon refuses anything but matrices): at construction, on
+        every rank, not at the step on the parameter's owner alone."""
+        values = json.loads(hyperparameters)
+        if not self._layout(values).whole:
+            return  # an elementwise class runs on flat pieces of any shape
+        key = (_layout_key(values), len(sizes))
+        if key in self._checked_shapes:
+            return
+        shape = [min(int(d), 3) for d in sizes]
+        try:
+            _run(self._cls, [torch.zeros(shape)], _probe_values(values), steps=1)
+        except Exception as error:
+            raise ValueError(f"{type(error).__name__}: {error}") from error
+        self._checked_shapes.add(key)
+
     def update(self, hyperparameters: str, pieces: Sequence[Any]) -> None:
         values = json.loads(hyperparameters)
-        names, scalars, step_dtype = self._layout(values)
+        layout = self._layout(values)
+
+        def shaped(t: torch.Tensor, piece: Any) -> torch.Tensor:
+            return t.view(piece.sizes) if layout.whole else t
+
         params = []
         for piece in pieces:
-            # The piece is a fresh view of the master: a parameter object for
-            # this step only ([Note: a torch.optim class on pieces]).
-            p = piece.param
-            p.grad = piece.grad
+            # A fresh view of the master: a parameter object for this step
+            # only ([Note: a torch.optim class on pieces]).
+            p = shaped(piece.param, piece)
+            p.grad = shaped(piece.grad, piece)
             params.append(p)
         optimizer = self._cls(params, **values)
         for p, piece in zip(params, pieces, strict=True):
             if piece.step == 1:
                 continue  # torch.optim creates the state on the first update
             state = optimizer.state[p]
-            if step_dtype is not None:
-                state["step"] = torch.tensor(float(piece.step - 1), dtype=step_dtype)
-            for name, values in zip(names, piece.states, strict=True):
-                dtype = scalars.get(name)
-                state[name] = values if dtype is None else values[0].to(dtype).clone()
+            if layout.step_dtype is not None:
+                state["step"] = torch.tensor(float(piece.step - 1), dtype=layout.step_dtype)
+            for name, stored in zip(layout.names, piece.states, strict=True):
+                dtype = layout.scalars.get(name)
+                state[name] = shaped(stored, piece) if dtype is None else stored[0].to(dtype)
         optimizer.step()
         for p, piece in zip(params, pieces, strict=True):
             state = optimizer.state[p]
-            for name, values in zip(names, piece.states, strict=True):
+            for name, stored in zip(layout.names, piece.states, strict=True):
                 new = state[name]
-                if name in scalars:
-                    values.fill_(new.item())
-                elif new is not values:
-                    values.copy_(new.reshape(-1))
+                if name in layout.scalars:
+                    stored.fill_(new.item())
+                elif new.data_ptr() != stored.data_ptr():
+                    stored.copy_(new.reshape(-1))
 
     def state_format(
         self, hyperparameters: dict[str, Any]
     ) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
         """The dtype of the class's ``"step"`` (None: it keeps none) and its
         per-parameter scalar states, for ``optimizer.state[p]``."""
-        _, scalars, step_dtype = self._layout(hyperparameters)
-        return step_dtype, dict(scalars)
+        layout = self._layout(hyperparameters)
+        return layout.step_dtype, dict(layout.scalars)
 
     # ---- the check of the class ----
-    def _layout(
-        self, hyperparameters: dict[str, Any]
-    ) -> tuple[list[str], dict[str, torch.dtype], torch.dtype | None]:
-        key = json.dumps({k: v for k, v in hyperparameters.items() if k != "lr"}, sort_keys=True)
+    def _layout(self, hyperparameters: dict[str, Any]) -> _Layout:
+        key = _layout_key(hyperparameters)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._probe(hyperparameters)
             self._layouts[key] = layout
         return layout
 
-    def _probe(
-        self, hyperparameters: dict[str, Any]
-    ) -> tuple[list[str], dict[str, torch.dtype], torch.dtype | None]:
+    def _probe(self, hyperparameters: dict[str, Any]) -> _Layout:
         """Steps a 4x6 matrix whole, and the same values as two flat pieces, three
-        times: an elementwise rule gives the same bits. Returns the states it
-        keeps (see [Note: a torch.optim class on pieces])."""
-        probe = dict(hyperparameters)
-        if isinstance(probe.get("lr"), int | float) and probe["lr"] == 0:
-            probe["lr"] = 1e-2  # lr 0 (a warm-up's start) would hide a rule's coupling
+        times: an elementwise class gives the same bits, any other runs on whole
+        parameters. Returns the states it keeps (see [Note: a torch.optim class
+        on pieces])."""
+        values = _probe_values(hyperparameters)
         generator = torch.Generator().manual_seed(0)
-        whole = torch.randn(4, 6, generator=generator)
-        pieces = [whole.reshape(-1)[:10].clone(), whole.reshape(-1)[10:].clone()]
-        whole = whole.clone()
+        start = torch.randn(4, 6, generator=generator)
+        grads = [torch.randn(4, 6, generator=generator) for _ in range(3)]
         try:
-            with torch.enable_grad():
-                whole_optimizer = self._cls([whole], **probe)
-                pieces_optimizer = self._cls(pieces, **probe)
-            for _ in range(3):
-                grad = torch.randn(4, 6, generator=generator)
-                whole.grad = grad.clone()
-                pieces[0].grad = grad.reshape(-1)[:10].clone()
-                pieces[1].grad = grad.reshape(-1)[10:].clone()
-                whole_optimizer.step()
-                pieces_optimizer.step()
+            whole, whole_optimizer = _run(self._cls, [start.clone()], values, grads=grads)
         except Exception as error:
             raise ValueError(
                 f"optimizer {self._name} with hyper-parameters {hyperparameters} could not be "
-                f"run on flat pieces of a shard ({type(error).__name__}: {error}); "
-                + _NOT_ELEMENTWISE_HINT
+                f"run ({type(error).__name__}: {error}); " + _SUPPORTED
             ) from error
-        if not torch.equal(whole.reshape(-1), torch.cat(pieces)):
-            raise ValueError(
-                f"optimizer {self._name} is not elementwise: its update of a matrix differs "
-                "from its update of the matrix's elements in two pieces, and a shard holds "
-                "pieces of parameters; " + _NOT_ELEMENTWISE_HINT
+        try:
+            flat = start.reshape(-1)
+            pieces, _ = _run(
+                self._cls,
+                [flat[:10].clone(), flat[10:].clone()],
+                values,
+                grads=[[g.reshape(-1)[:10], g.reshape(-1)[10:]] for g in grads],
             )
+            elementwise = torch.equal(whole[0].reshape(-1), torch.cat(pieces))
+        except Exception:  # noqa: BLE001 - a class refusing 1-D pieces is not elementwise
+            elementwise = False
         names: list[str] = []
         scalars: dict[str, torch.dtype] = {}
         step_dtype: torch.dtype | None = None
-        for key, value in whole_optimizer.state[whole].items():
-            kind = _state_kind(value, whole)
-            if key == "step":
-                if kind != "scalar":
-                    raise ValueError(
-                        f"optimizer {self._name} keeps its step as {type(value).__name__}; "
-                        "zeroshard restores it as a scalar tensor, as torch.optim's classes keep it"
-                    )
+        for key, value in whole_optimizer.state[whole[0]].items():
+            kind = _state_kind(value, whole[0])
+            if key == "step" and kind == "scalar":
                 step_dtype = value.dtype
             elif kind == "element":
                 names.append(key)
-            elif kind == "scalar":
+            elif kind == "scalar" and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
                 names.append(key)
                 scalars[key] = value.dtype
             else:
+                shape = list(value.shape) if isinstance(value, torch.Tensor) else None
                 raise ValueError(
-                    f"optimizer {self._name} keeps state {key!r} as {type(value).__name__}, "
-                    "neither a tensor shaped like the parameter nor a scalar tensor; zeroshard "
-                    "cannot shard it"
+                    f"optimizer {self._name} keeps state {key!r} as {type(value).__name__}"
+                    + (f" of shape {shape} for a [4, 6] parameter" if shape is not None else "")
+                    + ", neither an element per parameter element nor a 16- or 32-bit scalar; "
+                    "zeroshard stores states per element and cannot shard it (factored "
+                    "states such as Adafactor's are not supported yet); " + _SUPPORTED
                 )
-        for key, dtype in scalars.items():
-            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError(
-                    f"optimizer {self._name} keeps the scalar {key!r} as {dtype}; zeroshard "
-                    "stores per-parameter scalars in fp32, which would round it"
-                )
-        return names, scalars, step_dtype
+        return _Layout(names, scalars, step_dtype, whole=not elementwise)
+
+
+def _layout_key(hyperparameters: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in hyperparameters.items() if k != "lr"}, sort_keys=True)
+
+
+def _probe_values(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    values = dict(hyperparameters)
+    if isinstance(values.get("lr"), int | float) and values["lr"] == 0:
+        values["lr"] = 1e-2  # lr 0 (a warm-up's start) would hide a class's coupling
+    return values
+
+
+def _run(
+    cls: type[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    values: dict[str, Any],
+    grads: list[Any] | None = None,
+    steps: int = 3,
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """``steps`` steps of ``cls`` on ``params`` (each step's gradients: a tensor
+    for one parameter, a list for several; random when None)."""
+    optimizer = cls(params, **values)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        given = grads[step] if grads is not None else None
+        for i, p in enumerate(params):
+            if given is None:
+                p.grad = torch.randn(p.shape, generator=generator)
+            else:
+                p.grad = (given if len(params) == 1 else given[i]).clone()
+        optimizer.step()
+    return params, optimizer

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -158,6 +159,59 @@ TEST(PartitionLayoutTest, AlignmentIsSixteenBytesInTheParametersDtype) {
   EXPECT_EQ(layout.shard_numel(), 16);
   EXPECT_NE(PartitionLayout({{3, 5}}, 2, 1000, {}, {8}).fingerprint(),
             PartitionLayout({{3, 5}}, 2, 1000).fingerprint());
+}
+
+// [Note: whole parameters]: each parameter lies in one rank's slice, every
+// element is owned once, slices are even (LPT), and the layout is told apart
+// from the elementwise one.
+TEST(PartitionLayoutTest, WholeParametersEachHaveOneOwner) {
+  const std::vector<int64_t> numels = {78, 78, 10, 40, 0, 96, 3};
+  for (int64_t world : {1, 2, 3, 5, 8}) {
+    for (int64_t bucket : {1, 100, 1000}) {
+      for (int64_t align : {1, 4}) {
+        GroupLayout layout(numels, world, bucket, {}, align, /*whole_parameters=*/true);
+        std::vector<int64_t> owners(numels.size(), 0);
+        for (int64_t rank = 0; rank < world; ++rank) {
+          for (const auto& segment : layout.segments_of_rank(rank)) {
+            EXPECT_EQ(segment.param_offset, 0) << "world " << world << " bucket " << bucket;
+            EXPECT_EQ(segment.numel, numels[segment.param_index]);
+            owners[segment.param_index] += 1;
+          }
+        }
+        for (size_t i = 0; i < numels.size(); ++i) {
+          EXPECT_EQ(owners[i], numels[i] > 0 ? 1 : 0) << "param " << i << " world " << world;
+        }
+        int64_t shard_total = 0;
+        for (const auto& b : layout.buckets()) {
+          EXPECT_EQ(b.numel, b.shard_numel * world);
+          EXPECT_EQ(b.shard_numel % align, 0);
+          // LPT: no slice exceeds the ideal by more than its largest parameter.
+          int64_t sum = 0;
+          int64_t largest = 0;
+          for (int64_t s = b.first_slot; s < b.end_slot; ++s) {
+            const int64_t n = (layout.slots()[s].numel + align - 1) / align * align;
+            sum += n;
+            largest = std::max(largest, n);
+            EXPECT_EQ(layout.slot_of_param(layout.slots()[s].param_index).flat_offset,
+                      layout.slots()[s].flat_offset);
+            if (s > b.first_slot) {
+              EXPECT_GE(layout.slots()[s].flat_offset, layout.slots()[s - 1].flat_offset);
+            }
+          }
+          EXPECT_LE(b.shard_numel, std::max(align, (sum + world - 1) / world + largest));
+          shard_total += b.shard_numel;
+        }
+        EXPECT_EQ(shard_total, layout.shard_numel());
+        EXPECT_NE(GroupLayout(numels, world, bucket, {}, align, true).fingerprint(0),
+                  GroupLayout(numels, world, bucket, {}, align, false).fingerprint(0));
+      }
+    }
+  }
+  // Two equal matrices on two ranks: one each, nothing padded.
+  GroupLayout even({64, 64}, 2, 1000, {}, 4, true);
+  EXPECT_EQ(even.flat_numel(), 128);
+  EXPECT_EQ(even.segments_of_rank(0).size(), 1u);
+  EXPECT_EQ(even.segments_of_rank(1).size(), 1u);
 }
 
 TEST(PartitionLayoutTest, SeveralGroupsAndFingerprints) {

@@ -283,7 +283,7 @@ def _build(rank: int, world_size: int, case: str) -> str:
         elif case == "group_muon":
             zeroshard.ZeroOptimizer(
                 [
-                    {"params": [model.fc1.weight], "optimizer": torch.optim.Muon},
+                    {"params": [model.fc1.weight, model.fc1.bias], "optimizer": torch.optim.Muon},
                     {"params": [model.fc2.weight]},
                 ],
                 "adamw",
@@ -301,11 +301,11 @@ def _build(rank: int, world_size: int, case: str) -> str:
 @pytest.mark.parametrize(
     "case,expected",
     [
-        ("muon", "torch.optim.Muon"),
-        ("adafactor", "torch.optim.Adafactor is not elementwise"),
-        ("lbfgs", "torch.optim.LBFGS"),
+        ("muon", "update rule torch.optim.Muon cannot update parameter"),
+        ("adafactor", "optimizer torch.optim.Adafactor keeps state 'row_var'"),
+        ("lbfgs", "optimizer torch.optim.LBFGS with hyper-parameters"),
         ("offload", "runs on the training device only"),
-        ("group_muon", "torch.optim.Muon with hyper-parameters"),
+        ("group_muon", "cannot update parameter 1 of group 0 (shape [13])"),
         ("unknown_keyword", "'betas1': did you mean 'betas'?"),
         ("not_a_class", "torch.optim.Optimizer subclass"),
     ],

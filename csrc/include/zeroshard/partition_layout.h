@@ -33,6 +33,17 @@ namespace zeroshard {
 // gradients and the state, and updated with their runs (an update of zeros
 // with a zero gradient stays zero).
 //
+// [Note: whole parameters]
+// A group whose update rule needs each parameter whole (Muon's
+// Newton-Schulz on the 2-D update: update_rule.h) is laid out so that no
+// parameter straddles a slice: within each bucket, each parameter goes to
+// one rank's slice (largest first, to the slice with the fewest elements
+// so far), every slice is padded to the largest, and the rank whose slice
+// holds a parameter updates all of it. The reduce-scatter then leaves each
+// owner its whole parameters' summed gradients and the all-gather hands
+// them back, as for any bucket; the cost is the padding that evens the
+// slices, on the wire and in the shards.
+//
 // A rank's shard is the concatenation of its slices of all buckets, so it is
 // one contiguous tensor. When the group fits in one bucket (the default bucket
 // size is 5e6 elements) this is exactly "rank r owns one contiguous slice of
@@ -89,12 +100,14 @@ class GroupLayout {
   // param_units (stage 3): the unit of each parameter, or kNoUnit; empty for
   // stages 1 and 2. A bucket then holds one unit, never split by size.
   // alignment: every slot starts at a multiple of it (elements; see [Note:
-  // aligned slots]).
+  // aligned slots]). whole_parameters: [Note: whole parameters].
   GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel,
-              const std::vector<int64_t>& param_units = {}, int64_t alignment = 1);
+              const std::vector<int64_t>& param_units = {}, int64_t alignment = 1,
+              bool whole_parameters = false);
 
   int64_t world_size() const { return world_size_; }
   int64_t alignment() const { return alignment_; }
+  bool whole_parameters() const { return whole_parameters_; }
   int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
   // Padded length of the flat buffer: a multiple of world_size.
   int64_t flat_numel() const { return flat_numel_; }
@@ -121,9 +134,14 @@ class GroupLayout {
   uint64_t fingerprint(uint64_t seed) const;
 
  private:
+  // Places the slots [first, end) of `bucket` (starting at its flat_offset)
+  // and sets its sizes: [Note: whole parameters].
+  void place_whole_parameters(Bucket& bucket, int64_t end);
+
   int64_t world_size_;
   int64_t bucket_numel_;
   int64_t alignment_;
+  bool whole_parameters_;
   int64_t flat_numel_ = 0;
   int64_t param_numel_ = 0;
   std::vector<ParamSlot> slots_;
@@ -135,10 +153,13 @@ class GroupLayout {
 class PartitionLayout {
  public:
   // group_alignments: one per group (elements), or empty for 1 everywhere.
+  // group_whole_parameters: one per group ([Note: whole parameters]), or
+  // empty for none.
   PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels, int64_t world_size,
                   int64_t bucket_numel,
                   const std::vector<std::vector<int64_t>>& group_param_units = {},
-                  const std::vector<int64_t>& group_alignments = {});
+                  const std::vector<int64_t>& group_alignments = {},
+                  const std::vector<bool>& group_whole_parameters = {});
 
   int64_t world_size() const { return world_size_; }
   const std::vector<GroupLayout>& groups() const { return groups_; }

@@ -12,8 +12,11 @@
 // one rank and end on the next. A rule sees each piece as a 1-D tensor with
 // its gradient and states, so only a rule whose update of an element depends
 // on that element alone (and on per-parameter scalars such as the step
-// count) gives the values single-process training gives. Rules that need the
-// whole matrix (Muon, Adafactor) are not elementwise.
+// count) gives the values single-process training gives. A rule that needs
+// each parameter whole (Muon: Newton-Schulz on the 2-D update) says so
+// (whole_parameters): its group is then laid out so that one rank owns each
+// parameter entirely ([Note: whole parameters] in partition_layout.h), and
+// its pieces are whole parameters, with their shapes.
 #pragma once
 
 #include "zeroshard/optimizer_states.h"
@@ -32,8 +35,9 @@ namespace zeroshard {
 // One piece of one parameter that this rank updates in this step.
 struct ParameterShard {
   size_t group = 0;
-  int64_t parameter = 0;     // its index within the group
-  int64_t param_offset = 0;  // the parameter's element this piece starts at
+  int64_t parameter = 0;       // its index within the group
+  int64_t param_offset = 0;    // the parameter's element this piece starts at
+  std::vector<int64_t> sizes;  // the parameter's shape (a whole parameter's piece is all of it)
   // Updates of the parameter including this one: 1 the first time it has a
   // gradient (its states are then freshly zeroed: a rule with other initial
   // values sets them).
@@ -54,6 +58,14 @@ class UpdateRule {
   virtual std::vector<std::string> state_names(const nlohmann::json& hyperparameters) const = 0;
   // Throws, naming the value, for hyper-parameters out of range.
   virtual void validate(const nlohmann::json& /*hyperparameters*/) const {}
+  // Throws, naming what is wrong, for a parameter of this shape it cannot
+  // update (Muon takes matrices only): checked for every parameter when the
+  // optimizer is built, on every rank, not at a step on its owner alone.
+  virtual void check_parameter(const std::vector<int64_t>& /*sizes*/,
+                               const nlohmann::json& /*hyperparameters*/) const {}
+  // Whether each parameter must be updated whole by one rank ([Note:
+  // elementwise rules on shards]).
+  virtual bool whole_parameters(const nlohmann::json& /*hyperparameters*/) const { return false; }
   // One step of the pieces that have a gradient this step, in offset order.
   virtual void update(const nlohmann::json& hyperparameters,
                       std::vector<ParameterShard>& shards) = 0;
