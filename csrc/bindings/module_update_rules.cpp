@@ -6,6 +6,7 @@
 // and writes them, so every value JSON can hold crosses unchanged.
 #include "options_from_python.h"
 
+#include "zeroshard/muon_rule.h"
 #include "zeroshard/update_rule.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -96,6 +97,34 @@ void bind_update_rules(py::module_& m) {
       "validate(hyperparameters_json), check_parameter(sizes, hyperparameters_json), "
       "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces).")
       .def(py::init<>());
+  py::class_<MuonRule, UpdateRule, std::shared_ptr<MuonRule>>(
+      m, "MuonRule", "torch.optim.Muon as the core's C++ rule (muon_rule.h).")
+      .def(py::init<>())
+      .def_static(
+          "defaults", [] { return MuonOptions().rule_options().hyperparameters().dump(); },
+          "torch.optim.Muon's hyper-parameters with their defaults, as JSON.");
+  m.def(
+      "rule_update",
+      [](const std::shared_ptr<UpdateRule>& rule, const std::string& hyperparameters,
+         const at::Tensor& param, const at::Tensor& grad, const std::vector<at::Tensor>& states,
+         int64_t step) {
+        const nlohmann::json h = nlohmann::json::parse(hyperparameters);
+        std::vector<ParameterShard> pieces(1);
+        ParameterShard& piece = pieces[0];
+        piece.sizes = param.sizes().vec();
+        piece.step = step;
+        piece.param = param.view({-1});
+        piece.grad = grad.reshape({-1});
+        for (const at::Tensor& state : states) {
+          piece.states.push_back(state.view({-1}));
+        }
+        rule->check_parameter(piece.sizes, h);
+        py::gil_scoped_release release;
+        rule->update(h, pieces);
+      },
+      py::arg("rule"), py::arg("hyperparameters"), py::arg("param"), py::arg("grad"),
+      py::arg("states"), py::arg("step"),
+      "One update by `rule` of one whole parameter and its states, in place (for tests).");
 }
 
 }  // namespace zeroshard

@@ -17,7 +17,7 @@ import torch  # noqa: F401 - libtorch must be loaded before the extension
 from torch import nn
 
 from zeroshard import _C
-from zeroshard.update_rules import TorchOptimizerRule, class_defaults, rule_class
+from zeroshard.update_rules import class_defaults, make_rule, rule_class
 
 _EMPTY = inspect.Parameter.empty
 
@@ -200,7 +200,7 @@ def estimate(
     psi = parse_count(num_params)
     optimizer_states = -1
     if not isinstance(optimizer, str):
-        rule = TorchOptimizerRule(rule_class(optimizer))
+        rule = make_rule(rule_class(optimizer))
         defaults = {k: v for k, v in class_defaults(optimizer).items() if v is not _EMPTY}
         defaults.setdefault("lr", 1e-3)  # a class without a default lr: any value counts states
         optimizer_states = len(rule.state_names(json.dumps(defaults)))

@@ -39,10 +39,10 @@ from zeroshard.teardown import release_pinned_default_groups
 from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
 from zeroshard.update_rules import (
-    TorchOptimizerRule,
     builtin_class,
     builtin_name,
     class_defaults,
+    make_rule,
     rule_class,
     rule_name,
 )
@@ -50,7 +50,7 @@ from zeroshard.update_rules import (
 
 def _update_rule_of(
     optimizer: str | type[torch.optim.Optimizer], kwargs: dict[str, Any]
-) -> tuple[str, TorchOptimizerRule | None, dict[str, Any]]:
+) -> tuple[str, Any, dict[str, Any]]:
     """``optimizer=`` as (its name, the Python update rule or None for a built-in
     one, the hyper-parameters it accepts with their defaults). Drops from
     ``kwargs`` a built-in class's keywords the kernels need not see."""
@@ -69,7 +69,7 @@ def _update_rule_of(
         for key in set(kwargs) - set(_DEFAULTS[builtin]):
             del kwargs[key]
         return builtin, None, dict(_DEFAULTS[builtin])
-    return rule_name(optimizer), TorchOptimizerRule(optimizer), class_defaults(optimizer)
+    return rule_name(optimizer), make_rule(optimizer), class_defaults(optimizer)
 
 
 @_document_scalar_options
@@ -224,14 +224,14 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         self._impl: Any = None
         # Per group: its own rule and hyper-parameter names, from a group's
         # "optimizer" key (add_param_group), else None.
-        self._group_rules: list[tuple[TorchOptimizerRule, list[str]] | None] = []
+        self._group_rules: list[tuple[Any, list[str], type] | None] = []
         super().__init__(params, defaults)
         release_pinned_default_groups()  # see [Note: the default group pinned by default arguments]
         if any(own is not None for own in self._group_rules) and rule is None:
             # Groups with rules of their own: the others run optimizer= as
             # torch's class on pieces too (one kind of update in the core).
-            rule = TorchOptimizerRule(builtin_class(kind))
-        self._rules: list[TorchOptimizerRule] | None = (
+            rule = make_rule(builtin_class(kind))
+        self._rules: list[Any] | None = (
             None if rule is None else [own[0] if own else rule for own in self._group_rules]
         )
         self._group_keys = [own[1] if own else list(accepted) for own in self._group_rules]
@@ -473,10 +473,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             raise TypeError(f"optimizer {rule_name(cls)} needs the hyper-parameter(s) {missing}")
         for key, value in own.items():
             param_group.setdefault(key, value)
-        shared = next(
-            (r for r in self._group_rules if r is not None and r[0].torch_class is cls), None
-        )
-        self._group_rules.append((shared[0] if shared else TorchOptimizerRule(cls), list(own)))
+        shared = next((r for r in self._group_rules if r is not None and r[2] is cls), None)
+        self._group_rules.append((shared[0] if shared else make_rule(cls), list(own), cls))
         super().add_param_group(param_group)
         # torch.optim filled in optimizer='s defaults as well: not this group's.
         for key in set(self.defaults) - set(own) - {"params"}:

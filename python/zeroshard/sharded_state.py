@@ -26,6 +26,8 @@ def state_format(optimizer: Any, group: int) -> tuple[torch.dtype | None, dict[s
     rule = optimizer._rules[group] if optimizer._rules is not None else None
     if rule is None:
         return (torch.float32 if optimizer._kind in _COUNTS_STEPS else None), {}
+    if not hasattr(rule, "state_format"):  # a C++ rule (Muon): no step, no scalars
+        return None, {}
     return rule.state_format(optimizer._hyperparameters()[group])
 
 

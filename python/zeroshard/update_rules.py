@@ -87,6 +87,16 @@ def builtin_class(name: str) -> type[torch.optim.Optimizer]:
     return next(cls for cls, builtin in _BUILTIN_CLASSES.items() if builtin == name)
 
 
+def make_rule(cls: type[torch.optim.Optimizer]) -> Any:
+    """The core's update rule for ``cls``: the C++ Muon for ``torch.optim.Muon``
+    itself (the same values, op for op, without Python in the step; a
+    subclass may change the math, so it runs as itself), else
+    :class:`TorchOptimizerRule`."""
+    if cls is getattr(torch.optim, "Muon", None):
+        return _C.MuonRule()
+    return TorchOptimizerRule(cls)
+
+
 def rule_name(cls: type) -> str:
     """What checkpoints and messages call a class: ``torch.optim.RAdam`` for
     torch's own, else its module and qualified name."""

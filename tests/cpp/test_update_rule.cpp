@@ -2,6 +2,7 @@
 // Adagrad written against the interface trains on 2 and 3 Gloo ranks (ranks
 // as threads) to LibTorch's torch::optim::Adagrad on the global batch, and
 // its own state ("sum") is saved at 2 ranks and resumed at 3.
+#include "zeroshard/muon_rule.h"
 #include "zeroshard/update_rule.h"
 #include "zeroshard/zero_optimizer.h"
 
@@ -11,7 +12,9 @@
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
 
@@ -176,6 +179,82 @@ TEST(UpdateRuleErrorsTest, OffloadingARuleIsRefusedOnEveryRankNamingIt) {
   for (const auto& error : errors) {
     EXPECT_NE(error.find("test.Adagrad"), std::string::npos) << error;
     EXPECT_NE(error.find("offload_optimizer"), std::string::npos) << error;
+  }
+}
+
+// The C++ Muon on 2 and 3 ranks at stages 1 and 2 (each matrix owned whole
+// by one rank) gives what the same rule gives applied to whole matrices in
+// one process with the global batch's gradients; test_muon.py checks the
+// rule against torch.optim.Muon bit for bit.
+std::vector<at::Tensor> MuonInOneProcess(const RuleOptions& options, int steps) {
+  TinyModel model(0);
+  std::vector<at::Tensor> matrices = {model.params[0], model.params[2]};
+  std::vector<at::Tensor> momenta = {at::zeros_like(matrices[0]), at::zeros_like(matrices[1])};
+  for (int step = 0; step < steps; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    for (auto& p : model.params) {
+      p.mutable_grad() = at::Tensor();
+    }
+    model.loss(x, target).backward();
+    std::vector<ParameterShard> pieces;
+    for (size_t i = 0; i < matrices.size(); ++i) {
+      ParameterShard piece;
+      piece.sizes = matrices[i].sizes().vec();
+      piece.step = step + 1;
+      piece.param = matrices[i].detach().view({-1});
+      piece.grad = matrices[i].grad().reshape({-1});
+      piece.states = {momenta[i].view({-1})};
+      pieces.push_back(piece);
+    }
+    at::NoGradGuard no_grad;
+    options.rule()->update(options.hyperparameters(), pieces);
+  }
+  return {model.params[0], model.params[2]};
+}
+
+TEST_P(UpdateRuleTest, TheCppMuonOwnsEachMatrixWholeAndMatchesOneProcess) {
+  const auto [world, stage] = GetParam();
+  const RuleOptions options = MuonOptions().lr(2e-2).adjust_lr_fn("match_rms_adamw").rule_options();
+  const auto expected = MuonInOneProcess(options, 6);
+  std::vector<double> diffs(world, -1);
+  std::mutex mutex;
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    // The same values on every rank: the vectors, outside the optimizer, are
+    // not broadcast.
+    TinyModel model(0);
+    // The matrices alone in the Muon optimizer; the vectors are left alone.
+    std::vector<at::Tensor> matrices = {model.params[0], model.params[2]};
+    ZeroOptimizer optimizer(matrices, pg, options, ZeroOptions().stage(stage));
+    const int64_t per_rank = kGlobalBatch / world;
+    for (int step = 0; step < 6; ++step) {
+      auto [x, target] = GlobalBatch(step);
+      optimizer.zero_grad();
+      for (auto& p : model.params) {
+        p.mutable_grad() = at::Tensor();
+      }
+      model
+          .loss(x.narrow(0, rank * per_rank, per_rank), target.narrow(0, rank * per_rank, per_rank))
+          .backward();
+      optimizer.step();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(matrices, expected);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world;
+  }
+}
+
+TEST(UpdateRuleErrorsTest, AVectorInAMuonOptimizerIsRefusedOnEveryRank) {
+  auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, MuonOptions().rule_options());
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("Muon only supports 2D parameters"), std::string::npos) << error;
+    EXPECT_NE(error.find("parameter 1 of group 0"), std::string::npos) << error;
   }
 }
 

@@ -11,6 +11,7 @@ partition_layout.h); the wire bytes are measured against AdamW's.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -19,9 +20,16 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
+from zeroshard import _C
 
 from dist_harness import run_ranks, unwrap
 from tiny_models import assert_ranks_match_reference, make_gpt, max_abs_diff, snapshot, train
+
+
+class PythonMuon(torch.optim.Muon):
+    """torch's Muon under another name: zeroshard runs it as a torch.optim class
+    on whole parameters (torch.optim.Muon itself runs the C++ MuonRule)."""
+
 
 TOLERANCE = 1e-6
 STEPS = 5
@@ -77,9 +85,9 @@ def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
         return snapshot(model)
 
 
-def _train(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     model = make_gpt(seed=0)
-    optimizer = _zero(model, stage)
+    optimizer = _zero(model, stage, rule)
     optimizer.reset_comm_stats()
     train(model, optimizer, STEPS, rank, world_size)
     muon_bytes = optimizer.comm_stats()["wire_bytes"]
@@ -113,13 +121,16 @@ def _single_process() -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
+@pytest.mark.parametrize("rule", [torch.optim.Muon, PythonMuon], ids=["cpp", "python"])
 @pytest.mark.parametrize(
     "world_size,stage", [(1, 1), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (3, 3)]
 )
-def test_muon_and_adamw_train_as_single_process_torch_optim(world_size: int, stage: int) -> None:
-    results = unwrap(run_ranks(world_size, _train, stage))
+def test_muon_and_adamw_train_as_single_process_torch_optim(
+    world_size: int, stage: int, rule: Any
+) -> None:
+    results = unwrap(run_ranks(world_size, _train, stage, rule))
     expected = _single_process()
-    label = f"Muon+AdamW W={world_size} stage {stage}"
+    label = f"Muon ({rule.__name__}) + AdamW W={world_size} stage {stage}"
     # One rank: no reduction, so the same gradients and the same bits. More:
     # Muon orthogonalises in bf16, where the ulps by which a mean of the ranks'
     # means differs from the global mean can round differently; DDP on the same
@@ -150,6 +161,39 @@ def test_muon_and_adamw_train_as_single_process_torch_optim(world_size: int, sta
         assert ratio <= 1.0, ratio
     elif world_size > 1:
         assert ratio <= 1.2, ratio
+
+
+# ---- the C++ Muon is torch.optim.Muon ------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (3, 7), (6, 6)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"nesterov": False, "weight_decay": 0.0},
+        {"adjust_lr_fn": "match_rms_adamw", "lr": 2e-2},
+        {"adjust_lr_fn": "original", "momentum": 0.9, "ns_steps": 3},
+    ],
+)
+def test_the_cpp_muon_rule_is_torch_optim_muon_bit_for_bit(
+    shape: tuple[int, int], options: dict[str, Any]
+) -> None:
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randn(shape, generator=generator)
+    reference = start.clone()
+    torch_muon = torch.optim.Muon([reference], **options)
+    hyperparameters = {**json.loads(_C.MuonRule.defaults()), **options}
+    ours = start.clone()
+    momentum = torch.zeros(shape)
+    rule = _C.MuonRule()
+    for step in range(1, 5):
+        grad = torch.randn(shape, generator=generator)
+        reference.grad = grad.clone()
+        torch_muon.step()
+        _C.rule_update(rule, json.dumps(hyperparameters), ours, grad, [momentum], step)
+        assert torch.equal(ours, reference), (step, (ours - reference).abs().max())
+        assert torch.equal(momentum, torch_muon.state[reference]["momentum_buffer"])
 
 
 # ---- checkpoints: the owner map changes with the world size and the stage -------------
