@@ -54,7 +54,10 @@ DEFAULT_VARIANTS = [
 
 
 def baseline_of(name: str) -> str:
-    """The peer each variant's step time is compared with: FSDP2 for stage 3."""
+    """The peer each variant's step time is compared with: DDP + torch Muon for
+    the Muon variants, FSDP2 for stage 3, else DDP + AdamW."""
+    if name.endswith("_muon"):
+        return "ddp_muon"
     return "fsdp2" if name.startswith(("zeroshard_stage3", "fsdp2")) else "ddp_adamw"
 
 

@@ -78,6 +78,37 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+# Muon's hyper-parameters in the Muon variants (its lr matched to AdamW's RMS).
+MUON = {"lr": 1e-3, "momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw"}
+
+
+def muon_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Muon's recipe: the blocks' 2-D weights, and everything else (embeddings,
+    head, biases, norms)."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+class MuonAndAdamW:
+    """torch.optim's Muon and AdamW stepped together, as one optimizer."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self.optimizers = (muon, adamw)
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {**self.optimizers[0].state, **self.optimizers[1].state}
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
 class Variant:
     """Builds one training setup and reports its memory and traffic."""
 
@@ -91,6 +122,13 @@ class Variant:
         if name == "ddp_adamw":
             self.model = nn.parallel.DistributedDataParallel(model)
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        elif name == "ddp_muon":
+            # Muon's recipe: the blocks' 2-D weights in Muon, the rest in AdamW.
+            self.model = nn.parallel.DistributedDataParallel(model)
+            hidden, rest = muon_groups(model)
+            self.optimizer = MuonAndAdamW(
+                torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, lr=lr)
+            )
         elif name == "zero_redundancy_optimizer":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -139,8 +177,15 @@ class Variant:
             if name.endswith("_offload"):
                 stage3["offload_optimizer"] = "cpu"
                 stage3["offload_param"] = "cpu"
+            params: Any = model.parameters()
+            if "_muon" in name:  # Muon's recipe, as ddp_muon
+                hidden, rest = muon_groups(model)
+                params = [
+                    {"params": hidden, "optimizer": torch.optim.Muon, **MUON},
+                    {"params": rest},
+                ]
             self.optimizer = zeroshard.ZeroOptimizer(
-                model.parameters(),
+                params,
                 "adamw",
                 stage=stage,
                 lr=lr,
