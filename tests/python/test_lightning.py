@@ -126,6 +126,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
          "save_onto_file": True, "expect_error": True},
         {"name": "trainer-fp16-nan", "strategy": "zeroshard_stage_2", "precision": "16-mixed",
          "nan_at": 1},
+        {"name": "trainer-ddp-radam", "strategy": "ddp", "optimizer_class": "RAdam"},
+        {"name": "trainer-zeroshard-radam", "strategy": "zeroshard_stage_2",
+         "optimizer_class": "RAdam"},
         {"name": "fabric-ddp", "api": "fabric", "strategy": "ddp"},
         {"name": "fabric-ddp-fp16", "api": "fabric", "strategy": "ddp", "precision": "16-mixed"},
         {"name": "fabric-zeroshard-fp16", "api": "fabric", "strategy": "zeroshard_stage_2",
@@ -152,6 +155,7 @@ def one_rank(
             {"name": f"trainer-single-{short}", "strategy": "auto", "precision": precision}
             for short, precision in PRECISIONS.items()
         ),
+        {"name": "trainer-single-radam", "strategy": "auto", "optimizer_class": "RAdam"},
         {"name": "fabric-single", "api": "fabric", "strategy": "auto"},
         {"name": "fabric-single-fp16", "api": "fabric", "strategy": "auto",
          "precision": "16-mixed"},
@@ -221,6 +225,19 @@ def test_trainer_matches_single_process(
         # The LightningModule owns a parameter: its unit (with the modules outside
         # the repeated blocks) is gathered around training_step.
         assert result["units"] == ["<root>", "net.blocks.0", "net.blocks.1"], result["units"]
+
+
+def test_trainer_with_another_torch_optim_class_matches_single_process(
+    two_ranks: tuple[dict, Path], one_rank: dict, initial: dict
+) -> None:
+    """configure_optimizers returning torch.optim.RAdam: the ZeroOptimizer runs
+    RAdam itself on its shards, with its hyper-parameters and scheduler."""
+    results, _ = two_ranks
+    result = results["trainer-zeroshard-radam"]
+    reference, ddp = one_rank["trainer-single-radam"], results["trainer-ddp-radam"]
+    _check_against_reference("RAdam stage 2", result, reference, ddp, initial, "LitModel")
+    # Not AdamW's values: the class is what ran.
+    assert _diff(result["params"], one_rank["trainer-single"]["params"]) > 1e-4
 
 
 def test_trainer_checkpoint_resumes_exactly_and_at_world_size_1(
@@ -359,8 +376,8 @@ def test_unsupported_settings_raise_clear_errors(tmp_path: Path) -> None:
         pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroShardStrategy(), precision="64-true")
     net = torch.nn.Linear(2, 2)
     arguments = ZeroArguments({"zero_optimization": {"stage": 2}}, 1, "32-true", 1, None)
-    with pytest.raises(TypeError, match="supports torch.optim.AdamW.*RMSprop"):
-        zero_optimizer_from(torch.optim.RMSprop(net.parameters()), net, arguments)
+    # Another torch.optim class (RMSprop, RAdam) is taken as itself:
+    # test_trainer_with_another_torch_optim_class_matches_single_process.
     with pytest.raises(ValueError, match="maximize=True"):
         zero_optimizer_from(torch.optim.Adam(net.parameters(), maximize=True), net, arguments)
     with pytest.raises(ValueError, match="'optimizer' section"):

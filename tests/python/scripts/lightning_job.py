@@ -14,7 +14,9 @@ nan_at (the Trainer's loss is NaN at this global step), fit_twice (a second
 trainer.fit with the same Trainer), save_onto_file (trainer.save_checkpoint to
 the path of a file rank 0 wrote), config (ZeroShardStrategy(config=...)
 instead of the registered name), optimizers (2: configure_optimizers returns
-two), predict (trainer.predict after fit: the sum of this rank's predictions).
+two), predict (trainer.predict after fit: the sum of this rank's predictions),
+optimizer_class (a torch.optim class name configure_optimizers uses instead
+of AdamW).
 
 A tiny model (an embedding, two repeated residual blocks, a head, a
 persistent buffer) trains on a fixed synthetic set with AdamW (weight decay
@@ -101,8 +103,9 @@ def loss_of(net: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def make_optimizer(params: object) -> tuple[torch.optim.Optimizer, object]:
-    optimizer = torch.optim.AdamW(params, lr=5e-3, weight_decay=0.1)  # type: ignore[arg-type]
+def make_optimizer(params: object, name: str = "AdamW") -> tuple[torch.optim.Optimizer, object]:
+    cls = getattr(torch.optim, name)  # AdamW, or another class (optimizer_class)
+    optimizer = cls(params, lr=5e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LinearLR(
         optimizer, start_factor=1.0, end_factor=0.25, total_iters=8
     )
@@ -126,6 +129,7 @@ class LitModel(pl.LightningModule):
         self.wrapped = ""
         self.syncs: list[bool] = []
         self.optimizers_returned = 1
+        self.optimizer_class = "AdamW"
 
     def reset_parameters(self) -> None:
         """Initializes the LightningModule's own parameter (stage 3 materializes
@@ -162,7 +166,7 @@ class LitModel(pl.LightningModule):
         return self.net(batch[0]).float().sum() * self.temperature
 
     def configure_optimizers(self) -> object:
-        optimizer, scheduler = make_optimizer(self.parameters())
+        optimizer, scheduler = make_optimizer(self.parameters(), self.optimizer_class)
         if self.optimizers_returned == 2:  # one optimizer per half of the model
             assert self.net is not None
             return [
@@ -237,6 +241,7 @@ def run_trainer(opts: argparse.Namespace, world: int) -> tuple[dict, dict[str, t
     )
     model = LitModel(meta_build=opts.meta_build, nan_at=opts.nan_at)
     model.optimizers_returned = opts.optimizers
+    model.optimizer_class = opts.optimizer_class
     if opts.optimizers > 1:  # Lightning itself refuses several in automatic optimization
         model.automatic_optimization = False
     if opts.validate:
@@ -400,6 +405,7 @@ DEFAULTS = {
     "config": None,
     "optimizers": 1,
     "predict": False,
+    "optimizer_class": "AdamW",
 }
 
 

@@ -224,14 +224,13 @@ _UNSUPPORTED_UNLESS = {"maximize": False, "capturable": False, "differentiable":
 _KINDS = {torch.optim.AdamW: "adam", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 
 
-def _kind(optimizer: torch.optim.Optimizer) -> str:
+def _kind(optimizer: torch.optim.Optimizer) -> str | type[torch.optim.Optimizer]:
+    """zeroshard's name for the C++ kernel of ``optimizer``'s class, or the class
+    itself (RAdam, Muon, ...: ZeroOptimizer runs it as a torch.optim class,
+    refusing, naming it, one whose state is not per element)."""
     kind = _KINDS.get(type(optimizer))
     if kind is None:
-        raise TypeError(
-            "ZeroShardStrategy builds a zeroshard.ZeroOptimizer with the hyper-parameters of the "
-            "optimizer you give it; it supports torch.optim.AdamW, torch.optim.Adam and "
-            f"torch.optim.SGD, got {type(optimizer).__module__}.{type(optimizer).__qualname__}"
-        )
+        return type(optimizer)
     if kind == "adam":
         decoupled = {bool(g.get("decoupled_weight_decay", False)) for g in optimizer.param_groups}
         if decoupled == {True}:
@@ -254,8 +253,9 @@ def zero_optimizer_from(
 ) -> ZeroOptimizer:
     """A ZeroOptimizer over ``optimizer``'s parameter groups, with their hyper-parameters.
 
-    ``optimizer`` is a torch.optim AdamW, Adam or SGD (a ZeroOptimizer is
-    returned as it is). Its state must be empty: the update has not started.
+    ``optimizer`` is a torch.optim optimizer: AdamW, Adam and SGD run zeroshard's
+    kernels, any other class runs as itself on zeroshard's shards (a
+    ZeroOptimizer is returned as it is). Its state must be empty: the update has not started.
     Stage 3 materializes a meta-built ``module`` on ``device``.
     """
     if isinstance(optimizer, ZeroOptimizer):
@@ -269,6 +269,9 @@ def zero_optimizer_from(
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         converted: dict[str, Any] = {}
+        if not isinstance(kind, str):  # the class's own keywords, all of them
+            groups.append({k: v for k, v in group.items() if k != "param_names"})
+            continue
         for key, value in group.items():
             if key in _IMPLEMENTATION_KEYS or key == "decoupled_weight_decay":
                 continue
