@@ -96,7 +96,17 @@ void bind_update_rules(py::module_& m) {
       "(update_rule.h). Subclasses define name(), state_names(hyperparameters_json), "
       "validate(hyperparameters_json), check_parameter(sizes, hyperparameters_json), "
       "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces).")
-      .def(py::init<>());
+      .def(py::init<>())
+      // A C++ rule's own answers (MuonRule), for the Python layer and the
+      // estimator; a Python subclass's methods take their place.
+      .def("name", &UpdateRule::name)
+      .def("state_names",
+           [](const UpdateRule& rule, const std::string& hyperparameters) {
+             return rule.state_names(nlohmann::json::parse(hyperparameters));
+           })
+      .def("whole_parameters", [](const UpdateRule& rule, const std::string& hyperparameters) {
+        return rule.whole_parameters(nlohmann::json::parse(hyperparameters));
+      });
   py::class_<MuonRule, UpdateRule, std::shared_ptr<MuonRule>>(
       m, "MuonRule", "torch.optim.Muon as the core's C++ rule (muon_rule.h).")
       .def(py::init<>())

@@ -70,6 +70,18 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
                      [&](int64_t a, int64_t b) { return key[a] < key[b]; });
   }
 
+  // [Note: whole parameters]: a bucket of whole parameters holds room for
+  // world_size of the largest, so that every rank can own one; cut at the
+  // bucket size alone, a large matrix would sit alone in its bucket, its
+  // owner's slice padded on every other rank: the group unsharded, world
+  // size times over in the flat buffers and on the wire.
+  int64_t capacity = bucket_numel_;
+  if (whole_parameters_) {
+    const int64_t largest =
+        param_numels.empty() ? 0 : *std::max_element(param_numels.begin(), param_numels.end());
+    capacity = std::max(capacity, world_size_ * round_up(largest, alignment_));
+  }
+
   // See [Note: Partition layout]: reverse registration order; [Note: aligned
   // slots]: each slot at an aligned offset, each bucket a multiple of
   // world_size x alignment.
@@ -107,8 +119,8 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
       // A unit is never split (it is gathered as one); parameters of no unit
       // are cut into buckets by size as usual.
       const bool unit_changes = open_end > 0 && slot.unit != open.unit;
-      const bool too_big = open_end > 0 && slot.unit == kNoUnit &&
-                           round_up(open_end, alignment_) + numel > bucket_numel_;
+      const bool too_big =
+          open_end > 0 && slot.unit == kNoUnit && round_up(open_end, alignment_) + numel > capacity;
       if (unit_changes || too_big) {
         close_bucket();
       }

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <exception>
 
 namespace zeroshard {
 
@@ -32,9 +33,21 @@ void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& 
   // transient of a stage 3 step.
   const bool widen = grad_shard.scalar_type() != at::kFloat;
   if (kind_ == InnerOptimizerKind::kRule) {
-    update_by_rule(g, static_cast<const RuleOptions&>(options), runs, grad_shard);
+    // A rule of the user's may fail on one rank only (its owner's matrix, a
+    // device the probe did not see): the gathers still launch, in the order
+    // every rank launches them, and the step agrees on the failure after
+    // them (update_shards), so no rank is left alone in a collective.
+    std::exception_ptr failure;
+    try {
+      update_by_rule(g, static_cast<const RuleOptions&>(options), runs, grad_shard);
+    } catch (...) {
+      failure = std::current_exception();
+    }
     if (callbacks.buckets_updated) {
       callbacks.buckets_updated(layout.buckets().size());
+    }
+    if (failure) {
+      std::rethrow_exception(failure);
     }
     return;
   }

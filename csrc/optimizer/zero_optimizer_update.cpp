@@ -19,7 +19,10 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
   // The step's NVMe transfers: the optimizer state's, and the parameter
   // shards it writes with offload_param on NVMe.
   const bool nvme = swaps_to_nvme();
-  std::string nvme_error;
+  // An update rule of the user's may fail on one rank only: agreed on after
+  // every group, as an NVMe failure is.
+  const bool rule = inner_kind_ == InnerOptimizerKind::kRule;
+  std::string update_error;
   parameter_gathers_.forget();  // none is in flight between steps
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     GroupBuffers& shard = buffers_[g];
@@ -65,47 +68,59 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
       storage().update(g, param_groups_[g].options(), runs, gradients_->shard(g),
                        gradients_->shard_scale(), options_.fused(), callbacks);
     };
-    if (!nvme) {
+    if (!nvme && !rule) {
       update();
       continue;
     }
-    if (!nvme_error.empty()) {
+    if (!update_error.empty() && nvme) {
       continue;  // every rank raises it below
     }
+    // A rule's failure leaves the later groups to update: their gathers
+    // launch on every rank alike (DeviceShardStorage::update).
     try {
       update();
     } catch (const c10::Error& e) {
-      nvme_error = e.what_without_backtrace();
+      if (update_error.empty()) {
+        update_error = e.what_without_backtrace();
+      }
     } catch (const std::exception& e) {
-      nvme_error = e.what();
+      if (update_error.empty()) {
+        update_error = e.what();
+      }
     }
   }
   if (param_swapper_) {
     try {
       param_swapper_->flush();  // the last bucket the step wrote
     } catch (const c10::Error& e) {
-      if (nvme_error.empty()) {
-        nvme_error = e.what_without_backtrace();
+      if (update_error.empty()) {
+        update_error = e.what_without_backtrace();
       }
     } catch (const std::exception& e) {
-      if (nvme_error.empty()) {
-        nvme_error = e.what();
+      if (update_error.empty()) {
+        update_error = e.what();
       }
     }
   }
   if (const NvmeGradientSwapper* grads = gradient_swapper()) {
-    if (nvme_error.empty() && !grads->failure().empty()) {  // e.g. the overflow check's reads
-      nvme_error = grads->failure();
+    if (update_error.empty() && !grads->failure().empty()) {  // e.g. the overflow check's reads
+      update_error = grads->failure();
     }
   }
   if (nvme) {
     // An I/O failure on one rank (a damaged swap file, a failing disk) is
     // raised by every rank here, instead of leaving the others to hang in the
     // next collective.
-    const std::string agreed = groups_->agree(nvme_error, "nvme_step");
+    const std::string agreed = groups_->agree(update_error, "nvme_step");
     TORCH_CHECK(agreed.empty(),
                 "could not update the optimizer state or parameters on NVMe (this step is "
                 "incomplete; resume from the last checkpoint): ",
+                agreed);
+  } else if (rule) {
+    const std::string agreed = groups_->agree(update_error, "rule_step");
+    TORCH_CHECK(agreed.empty(), "the update rule ", rule_name(),
+                " failed (this step is incomplete and the ranks' parameters may differ; resume "
+                "from the last checkpoint): ",
                 agreed);
   }
 }

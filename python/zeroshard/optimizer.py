@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -85,14 +86,16 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             instead.
         optimizer: the inner optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (the
             core's C++ kernels), or a ``torch.optim.Optimizer`` subclass whose
-            update is elementwise (``torch.optim.RAdam``, ``Adagrad``,
-            ``RMSprop``, ``NAdam``, ``Adamax``, ``Adadelta``, ``ASGD``,
-            ``Rprop``, a third-party Lion), run on this rank's pieces of the
-            parameters (``zeroshard.update_rules``). ``torch.optim.Adam``,
-            ``AdamW`` and ``SGD`` with hyper-parameters the kernels take run
-            as the built-in names. A class that is not elementwise (Muon,
-            Adafactor, LBFGS) is refused, naming it. Not with
-            ``offload_optimizer``.
+            state is per element (``zeroshard.update_rules``): elementwise
+            ones (``torch.optim.RAdam``, ``Adagrad``, ``RMSprop``, ``NAdam``,
+            a third-party Lion) run on this rank's pieces of the parameters,
+            others (``torch.optim.Muon``) on whole parameters, each owned by
+            one rank. ``torch.optim.Adam``, ``AdamW`` and ``SGD`` with
+            hyper-parameters the kernels take run as the built-in names.
+            Classes with factored state (Adafactor), a closure (LBFGS), state
+            outside ``optimizer.state[p]`` or coupled parameters are refused,
+            naming them. A parameter group may name its own with an
+            ``"optimizer"`` key. Not with ``offload_optimizer``.
         <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).
@@ -271,6 +274,14 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         # DTensor parameters (PyTorch TP): the core shards their local tensors.
         tp = TensorParallelParameters(self.param_groups)
         self._tensor_parallel = tp
+        if tp.active and self._rules is not None:
+            for rule, hyper in zip(self._rules, self._hyperparameters(), strict=True):
+                if rule.whole_parameters(json.dumps(hyper)):
+                    raise ValueError(
+                        f"optimizer {rule.name()} updates whole matrices, and tensor-parallel "
+                        "(DTensor) parameters give each rank a slice of one: it would update "
+                        "each slice as a matrix of its own; not supported yet"
+                    )
         zero_options = {
             **scalar_options,
             "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),

@@ -85,7 +85,12 @@ class ParameterState(MutableMapping[str, Any]):
                 "optimizer.state[p]['step'] is the optimizer's own count of p's updates and "
                 "cannot be written; load_state_dict() or load_checkpoint() restore it"
             )
-        self._impl.write_parameter_state(*self._where, key, torch.as_tensor(value))
+        values = torch.as_tensor(value)
+        if key in self._scalars and values.dim() == 0:
+            # A per-parameter scalar, stored in every element this rank owns.
+            numel = self._impl.parameter_state(*self._where, read_states=False)[1]
+            values = torch.full((int(numel),), float(values))
+        self._impl.write_parameter_state(*self._where, key, values)
 
     def __delitem__(self, key: str) -> None:
         raise TypeError(

@@ -166,9 +166,8 @@ class TorchOptimizerRule(_C.UpdateRule):
         _C.UpdateRule.__init__(self)
         self._cls = cls
         self._name = rule_name(cls)
-        # By the hyper-parameters other than lr, as sorted JSON text (a
-        # scheduler changes lr every step; the states a class keeps do not
-        # follow it).
+        # By _layout_key: a scheduler changing lr (or betas) every step
+        # does not re-probe.
         self._layouts: dict[str, _Layout] = {}
         self._checked_shapes: set[tuple[str, int]] = set()
 
@@ -305,11 +304,52 @@ class TorchOptimizerRule(_C.UpdateRule):
                     "zeroshard stores states per element and cannot shard it (factored "
                     "states such as Adafactor's are not supported yet); " + _SUPPORTED
                 )
-        return _Layout(names, scalars, step_dtype, whole=not elementwise)
+        layout = _Layout(names, scalars, step_dtype, whole=not elementwise)
+        # The step rebuilds the class from these states: a class keeping more
+        # (a step count in its param groups, a running total on itself) would
+        # lose it silently; so would one that couples its parameters (a global
+        # gradient norm, a shared statistic), since each rank's instance holds
+        # its own parameters only.
+        rebuilt = _rebuilt_each_step(self._cls, start, values, grads, layout)
+        if not torch.equal(rebuilt, whole[0]):
+            raise ValueError(
+                f"optimizer {self._name} keeps state outside optimizer.state[p] (in its "
+                "param_groups or on itself): zeroshard rebuilds the class at each step from "
+                "each parameter's state and cannot carry it; " + _SUPPORTED
+            )
+        other_start = torch.randn(3, 5, generator=generator)
+        other_grads = [torch.randn(3, 5, generator=generator) for _ in range(3)]
+        together, _ = _run(
+            self._cls,
+            [start.clone(), other_start.clone()],
+            values,
+            grads=[[g, h] for g, h in zip(grads, other_grads, strict=True)],
+        )
+        apart, _ = _run(self._cls, [other_start.clone()], values, grads=other_grads)
+        if not (torch.equal(together[0], whole[0]) and torch.equal(together[1], apart[0])):
+            raise ValueError(
+                f"optimizer {self._name} couples its parameters (a global norm or statistic "
+                "over all of them): each rank holds some parameters only, so it would compute "
+                "another value on each; " + _SUPPORTED
+            )
+        return layout
 
 
 def _layout_key(hyperparameters: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in hyperparameters.items() if k != "lr"}, sort_keys=True)
+    """What decides the states a class keeps and how it runs: the flags and
+    choices, and of each number whether it is zero (momentum 0 keeps no
+    buffer). A scheduler moving lr, betas or momentum does not re-probe."""
+
+    def shape(value: Any) -> Any:
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, int | float):
+            return value == 0
+        if isinstance(value, list | tuple):
+            return [shape(v) for v in value]
+        return repr(value)
+
+    return json.dumps({k: shape(v) for k, v in hyperparameters.items()}, sort_keys=True)
 
 
 def _probe_values(hyperparameters: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +357,36 @@ def _probe_values(hyperparameters: dict[str, Any]) -> dict[str, Any]:
     if isinstance(values.get("lr"), int | float) and values["lr"] == 0:
         values["lr"] = 1e-2  # lr 0 (a warm-up's start) would hide a class's coupling
     return values
+
+
+def _rebuilt_each_step(
+    cls: type[torch.optim.Optimizer],
+    start: torch.Tensor,
+    values: dict[str, Any],
+    grads: list[torch.Tensor],
+    layout: _Layout,
+) -> torch.Tensor:
+    """``start`` stepped as TorchOptimizerRule.update steps a parameter: a new
+    instance of ``cls`` each step, given the states the core keeps (fp32, the
+    scalars in every element) and the step count."""
+    param = start.clone()
+    kept: dict[str, torch.Tensor] = {}
+    for step, grad in enumerate(grads, start=1):
+        view = param.view(param.shape)  # a new parameter object, as each step's pieces
+        view.grad = grad.clone()
+        optimizer = cls([view], **values)
+        if step > 1:
+            state = optimizer.state[view]
+            if layout.step_dtype is not None:
+                state["step"] = torch.tensor(float(step - 1), dtype=layout.step_dtype)
+            for name in layout.names:
+                dtype = layout.scalars.get(name)
+                state[name] = kept[name] if dtype is None else kept[name].to(dtype)
+        optimizer.step()
+        state = optimizer.state[view]
+        for name in layout.names:
+            kept[name] = state[name].detach().float().clone()
+    return param
 
 
 def _run(

@@ -207,6 +207,12 @@ TEST(PartitionLayoutTest, WholeParametersEachHaveOneOwner) {
       }
     }
   }
+  // Matrices larger than the bucket size share a bucket of room for one per
+  // rank: sharded, not each alone in a bucket padded on every other rank.
+  GroupLayout large({1000, 1000, 1000, 1000}, 4, 100, {}, 4, true);
+  EXPECT_EQ(large.buckets().size(), 1u);
+  EXPECT_EQ(large.shard_numel(), 1000);
+  EXPECT_EQ(large.flat_numel(), 4000);
   // Two equal matrices on two ranks: one each, nothing padded.
   GroupLayout even({64, 64}, 2, 1000, {}, 4, true);
   EXPECT_EQ(even.flat_numel(), 128);

@@ -90,7 +90,7 @@ def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     optimizer = _zero(model, stage, rule)
     optimizer.reset_comm_stats()
     train(model, optimizer, STEPS, rank, world_size)
-    muon_bytes = optimizer.comm_stats()["wire_bytes"]
+    muon_stats = dict(optimizer.comm_stats())
     # Which matrices this rank owns whole: every element of each, or none.
     owned = []
     for p in _hidden(model):
@@ -104,8 +104,8 @@ def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params": _full(model, optimizer),
         "owned": owned,
-        "muon_bytes": muon_bytes,
-        "adamw_bytes": adamw.comm_stats()["wire_bytes"],
+        "muon": muon_stats,
+        "adamw": dict(adamw.comm_stats()),
     }
     if world_size > 1:
         ddp_model = make_gpt(seed=0)
@@ -151,14 +151,18 @@ def test_muon_and_adamw_train_as_single_process_torch_optim(
     # of whole gradients (DeepSpeed's ZeRO-3 Muon all-reduces them: twice the
     # gradient bytes). Where the matrices balance (the six of 96, 96, 96, 96,
     # 64, 64 elements on two ranks, all in one bucket at stages 1-2) nothing is
-    # padded: exactly AdamW's bytes. Where they cannot, the padding shows:
-    # measured 1.077 on three ranks at stages 1-2 (a rank holds two 96s), 1.160
-    # on two ranks at stage 3 (each block is one bucket of 96, 96 and 64) and
-    # 1.059 on three. An all-reduce of the Muon gradients would be above 1.3.
-    ratio = results[0]["muon_bytes"] / max(results[0]["adamw_bytes"], 1.0)
+    # padded; what remains is the agreement each step of a rule's optimizer
+    # makes on failures (a rule may fail on one rank only): measured 1.003 of
+    # AdamW's bytes on this tiny model, a fixed few bytes a step on a real one.
+    # Where the matrices cannot balance, the padding shows: measured 1.083 on
+    # three ranks at stages 1-2 (a rank holds two 96s), 1.174 on two ranks at
+    # stage 3 (each block is one bucket of 96, 96 and 64) and 1.073 on three.
+    # An all-reduce of the Muon gradients would be above 1.3.
+    muon, adamw = results[0]["muon"], results[0]["adamw"]
+    ratio = muon["wire_bytes"] / max(adamw["wire_bytes"], 1.0)
     print(f"{label}: wire bytes {ratio:.3f} of AdamW's with the same groups")
     if world_size == 2 and stage in (1, 2):
-        assert ratio <= 1.0, ratio
+        assert ratio <= 1.01, ratio
     elif world_size > 1:
         assert ratio <= 1.2, ratio
 

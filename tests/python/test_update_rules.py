@@ -139,6 +139,11 @@ def _state_and_save(rank: int, world_size: int, path: str) -> dict[str, Any]:
     optimizer.save_checkpoint(path)
     start, end = optimizer.state_range(model.fc1.weight)
     state = dict(optimizer.state[model.fc1.weight])
+    # Written back as read (moving the state to a device does): accepted, unchanged.
+    optimizer.state[model.fc1.weight] = state
+    assert all(
+        torch.equal(value, optimizer.state[model.fc1.weight][key]) for key, value in state.items()
+    )
     return {"range": (start, end), "state": state, "keys": sorted(state)}
 
 
@@ -267,6 +272,38 @@ def test_adamw_class_runs_the_builtin_kernel_with_the_same_values() -> None:
 # ---- refusals, on every rank ------------------------------------------------------------
 
 
+class GroupStepAdam(torch.optim.Optimizer):
+    """Elementwise, but keeps its step count in the param group (as Adan does)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg"].lerp_(p.grad, 0.1)
+                p.add_(state["exp_avg"] / (1 - 0.9 ** group["step"]), alpha=-group["lr"])
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on gradients clipped by the global norm over all its parameters."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in params))
+        for p in params:
+            p.add_(p.grad / max(float(norm), 1.0), alpha=-self.param_groups[0]["lr"])
+
+
 def _build(rank: int, world_size: int, case: str) -> str:
     model = make_model(seed=0)
     try:
@@ -290,6 +327,10 @@ def _build(rank: int, world_size: int, case: str) -> str:
             )
         elif case == "unknown_keyword":
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.RAdam, betas1=0.9)
+        elif case == "group_step":
+            zeroshard.ZeroOptimizer(model.parameters(), GroupStepAdam)
+        elif case == "global_norm":
+            zeroshard.ZeroOptimizer(model.parameters(), GlobalNormSGD)
         elif case == "not_a_class":
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.RAdam([torch.zeros(1)]))
     except (ValueError, TypeError) as error:
@@ -308,6 +349,8 @@ def _build(rank: int, world_size: int, case: str) -> str:
         ("group_muon", "cannot update parameter 1 of group 0 (shape [13])"),
         ("unknown_keyword", "'betas1': did you mean 'betas'?"),
         ("not_a_class", "torch.optim.Optimizer subclass"),
+        ("group_step", "keeps state outside optimizer.state[p]"),
+        ("global_norm", "couples its parameters"),
     ],
 )
 def test_unsupported_rules_are_refused_on_every_rank_naming_them(case: str, expected: str) -> None:
@@ -326,6 +369,7 @@ def test_unsupported_rules_are_refused_on_every_rank_naming_them(case: str, expe
         (torch.optim.Adagrad, "sgd_momentum"),  # "sum": one state
         (torch.optim.RAdam, "adamw"),  # exp_avg, exp_avg_sq
         (torch.optim.NAdam, "adam_amsgrad"),  # and mu_product, stored per element
+        (torch.optim.Muon, "sgd_momentum"),  # the C++ Muon: momentum_buffer
     ],
 )
 def test_the_estimator_counts_a_class_states(cls: type, same_as: str) -> None:
@@ -335,3 +379,40 @@ def test_the_estimator_counts_a_class_states(cls: type, same_as: str) -> None:
     by_name = estimate(1e6, world_size=4, optimizer=same_as, stages=(0, 1, 3))
     for row, expected in zip(by_class, by_name, strict=True):
         assert row["optimizer_bytes"] == expected["optimizer_bytes"] > 0, (row, expected)
+
+
+# ---- a rule that fails on one rank ------------------------------------------------------
+
+
+class FailsOnRankOne(torch.optim.SGD):
+    """SGD that raises in step() on rank 1 once armed (an out-of-memory on the
+    rank that owns the largest matrix, say)."""
+
+    armed = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if FailsOnRankOne.armed and dist.get_rank() == 1:
+            raise RuntimeError("rank 1's update ran out of memory")
+        return super().step(closure)
+
+
+def _fail_on_one_rank(rank: int, world_size: int, stage: int) -> str:
+    model = make_model(seed=0)
+    module = {"module": model, **RELEASED} if stage == 3 else {}
+    optimizer = zeroshard.ZeroOptimizer(
+        model.parameters(), FailsOnRankOne, stage=stage, lr=1e-2, **module
+    )
+    train(model, optimizer, 1, rank, world_size)
+    FailsOnRankOne.armed = True
+    try:
+        train(model, optimizer, 1, rank, world_size, first_step=1)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rule_failing_on_one_rank_fails_the_step_on_every_rank(stage: int) -> None:
+    for message in unwrap(run_ranks(2, _fail_on_one_rank, stage)):
+        assert "failed" in message and "rank 1's update ran out of memory" in message, message
