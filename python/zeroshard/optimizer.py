@@ -8,8 +8,6 @@ hyper-parameters to the C++ core at every step.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +23,6 @@ from zeroshard.offload import aio_options, offload_options
 from zeroshard.optimizer_arguments import (
     _DEFAULTS,
     _ZERO_DEFAULTS,
-    _canonical_optimizer,
     _checkpoint_prefix,
     _document_scalar_options,
     _failure_prefix,
@@ -41,36 +38,13 @@ from zeroshard.tensor_parallel import TensorParallelParameters
 from zeroshard.units import materialize, plan_units, register_hooks
 from zeroshard.update_rules import (
     builtin_class,
-    builtin_name,
-    class_defaults,
+    group_rule,
     make_rule,
-    rule_class,
-    rule_name,
+    refuse_missing,
+    refuse_unknown_keys,
+    refuse_whole_parameters,
+    update_rule_of,
 )
-
-
-def _update_rule_of(
-    optimizer: str | type[torch.optim.Optimizer], kwargs: dict[str, Any]
-) -> tuple[str, Any, dict[str, Any]]:
-    """``optimizer=`` as (its name, the Python update rule or None for a built-in
-    one, the hyper-parameters it accepts with their defaults). Drops from
-    ``kwargs`` a built-in class's keywords the kernels need not see."""
-    if isinstance(optimizer, str):
-        kind = _canonical_optimizer(optimizer)
-        return kind, None, dict(_DEFAULTS[kind])
-    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer= takes a name ({sorted(_DEFAULTS)}) or a torch.optim.Optimizer "
-            f"subclass; got {optimizer!r}"
-        )
-    builtin = builtin_name(optimizer, kwargs, _DEFAULTS)
-    if builtin is not None:
-        # Keywords the kernels ignore at these values (foreach, fused=False,
-        # maximize=False, ...) are dropped with the class.
-        for key in set(kwargs) - set(_DEFAULTS[builtin]):
-            del kwargs[key]
-        return builtin, None, dict(_DEFAULTS[builtin])
-    return rule_name(optimizer), make_rule(optimizer), class_defaults(optimizer)
 
 
 @_document_scalar_options
@@ -213,17 +187,14 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         **optimizer_kwargs: Any,
     ) -> None:
         scalar_options = _scalar_zero_options(locals())
-        kind, rule, accepted = _update_rule_of(optimizer, optimizer_kwargs)
+        kind, rule, accepted = update_rule_of(optimizer, optimizer_kwargs, _DEFAULTS)
         unknown = set(optimizer_kwargs) - set(accepted)
         if unknown:
             raise TypeError(
                 _unknown_keywords_message(sorted(unknown), kind, ZeroOptimizer.__init__, accepted)
             )
         defaults = dict(accepted, **optimizer_kwargs)
-        if rule is not None:
-            missing = sorted(k for k, v in defaults.items() if v is inspect.Parameter.empty)
-            if missing:
-                raise TypeError(f"optimizer {kind} needs the hyper-parameter(s) {missing}")
+        refuse_missing(kind, defaults, defaults)
         self._impl: Any = None
         # Per group: its own rule and hyper-parameter names, from a group's
         # "optimizer" key (add_param_group), else None.
@@ -238,14 +209,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             None if rule is None else [own[0] if own else rule for own in self._group_rules]
         )
         self._group_keys = [own[1] if own else list(accepted) for own in self._group_rules]
-        for group, keys in zip(self.param_groups, self._group_keys, strict=True):
-            # "param_names": torch.optim's record of named_parameters() input.
-            extra = set(group) - set(keys) - {"params", "param_names", "initial_lr", "optimizer"}
-            if extra:
-                raise ValueError(
-                    f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
-                    f"{group.get('optimizer', kind)!r}; it accepts {sorted(keys)}"
-                )
+        refuse_unknown_keys(self.param_groups, self._group_keys, kind)
         groups = data_parallel_groups(process_group, device_mesh, replicate_group)
         process_group = groups.shard
         if stage == 3 and module is None:
@@ -275,13 +239,7 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         tp = TensorParallelParameters(self.param_groups)
         self._tensor_parallel = tp
         if tp.active and self._rules is not None:
-            for rule, hyper in zip(self._rules, self._hyperparameters(), strict=True):
-                if rule.whole_parameters(json.dumps(hyper)):
-                    raise ValueError(
-                        f"optimizer {rule.name()} updates whole matrices, and tensor-parallel "
-                        "(DTensor) parameters give each rank a slice of one: it would update "
-                        "each slice as a matrix of its own; not supported yet"
-                    )
+            refuse_whole_parameters(self._rules, self._hyperparameters(), "tensor-parallel")
         zero_options = {
             **scalar_options,
             "offload_optimizer": offload_options(offload_optimizer, "offload_optimizer"),
@@ -476,19 +434,11 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
             super().add_param_group(param_group)
             return
         # A group's own update rule: its class's defaults, not optimizer='s.
-        cls = rule_class(param_group["optimizer"])
-        own = class_defaults(cls)
-        missing = sorted(k for k, v in own.items() if v is inspect.Parameter.empty)
-        missing = [k for k in missing if k not in param_group]
-        if missing:
-            raise TypeError(f"optimizer {rule_name(cls)} needs the hyper-parameter(s) {missing}")
-        for key, value in own.items():
-            param_group.setdefault(key, value)
-        shared = next((r for r in self._group_rules if r is not None and r[2] is cls), None)
-        self._group_rules.append((shared[0] if shared else make_rule(cls), list(own), cls))
+        own = group_rule(param_group, [r for r in self._group_rules if r is not None])
+        self._group_rules.append(own)
         super().add_param_group(param_group)
         # torch.optim filled in optimizer='s defaults as well: not this group's.
-        for key in set(self.defaults) - set(own) - {"params"}:
+        for key in set(self.defaults) - set(own[1]) - {"params"}:
             param_group.pop(key, None)
 
     # torch.amp.GradScaler hands itself to step() instead of unscaling .grad,

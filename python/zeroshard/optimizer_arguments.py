@@ -95,13 +95,6 @@ def _unknown_keywords_message(
     )
 
 
-def _canonical_optimizer(name: str) -> str:
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _DEFAULTS:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(_DEFAULTS)}")
-    return key
-
-
 def _plain(value: Any) -> Any:
     """Turns tensors (torch allows a Tensor lr) into Python numbers for C++."""
     if isinstance(value, torch.Tensor):

@@ -409,3 +409,91 @@ def _run(
                 p.grad = (given if len(params) == 1 else given[i]).clone()
         optimizer.step()
     return params, optimizer
+
+
+# ---- which rule each group runs (ZeroOptimizer's optimizer= and "optimizer") ----
+
+
+def update_rule_of(
+    optimizer: str | type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    builtin_defaults: dict[str, dict[str, Any]],
+) -> tuple[str, Any, dict[str, Any]]:
+    """``optimizer=`` as (its name, the update rule or None for a built-in one,
+    the hyper-parameters it accepts with their defaults). ``builtin_defaults``:
+    the core's built-in rules and their hyper-parameters. Drops from ``kwargs``
+    a built-in class's keywords the kernels need not see."""
+    if isinstance(optimizer, str):
+        kind = optimizer.lower()
+        if kind not in builtin_defaults:
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; expected one of {sorted(builtin_defaults)}"
+            )
+        return kind, None, dict(builtin_defaults[kind])
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer= takes a name ({sorted(builtin_defaults)}) or a torch.optim.Optimizer "
+            f"subclass; got {optimizer!r}"
+        )
+    builtin = builtin_name(optimizer, kwargs, builtin_defaults)
+    if builtin is not None:
+        # Keywords the kernels ignore at these values (foreach, fused=False,
+        # maximize=False, ...) are dropped with the class.
+        for key in set(kwargs) - set(builtin_defaults[builtin]):
+            del kwargs[key]
+        return builtin, None, dict(builtin_defaults[builtin])
+    return rule_name(optimizer), make_rule(optimizer), class_defaults(optimizer)
+
+
+def group_rule(
+    param_group: dict[str, Any], earlier: list[tuple[Any, list[str], type]]
+) -> tuple[Any, list[str], type]:
+    """The rule of a parameter group that names its own ``"optimizer"``: (the
+    rule, shared with ``earlier`` groups of the same class; its
+    hyper-parameter names; the class). Fills the group's missing
+    hyper-parameters with the class's defaults."""
+    cls = rule_class(param_group["optimizer"])
+    own = class_defaults(cls)
+    refuse_missing(rule_name(cls), own, param_group)
+    for key, value in own.items():
+        param_group.setdefault(key, value)
+    shared = next((r for r in earlier if r[2] is cls), None)
+    return (shared[0] if shared else make_rule(cls), list(own), cls)
+
+
+def refuse_whole_parameters(
+    rules: Sequence[Any], hyperparameters: Sequence[dict[str, Any]], why: str
+) -> None:
+    """Raises for a group whose rule updates whole matrices where each rank
+    holds a slice of them (``why``: "tensor-parallel")."""
+    for rule, hyper in zip(rules, hyperparameters, strict=True):
+        if rule.whole_parameters(json.dumps(hyper)):
+            raise ValueError(
+                f"optimizer {rule.name()} updates whole matrices, and {why} (DTensor) "
+                "parameters give each rank a slice of one: it would update each slice as a "
+                "matrix of its own; not supported yet"
+            )
+
+
+def refuse_missing(name: str, accepted: dict[str, Any], given: dict[str, Any]) -> None:
+    """Raises naming the hyper-parameters ``name``'s class requires (no default
+    in ``accepted``) that ``given`` lacks."""
+    missing = sorted(
+        k for k, v in accepted.items() if v is inspect.Parameter.empty and given.get(k, v) is v
+    )
+    if missing:
+        raise TypeError(f"optimizer {name} needs the hyper-parameter(s) {missing}")
+
+
+def refuse_unknown_keys(
+    groups: Sequence[dict[str, Any]], keys: Sequence[list[str]], name: str
+) -> None:
+    """Raises for a parameter group holding a key its rule does not take."""
+    for group, accepted in zip(groups, keys, strict=True):
+        # "param_names": torch.optim's record of named_parameters() input.
+        extra = set(group) - set(accepted) - {"params", "param_names", "initial_lr", "optimizer"}
+        if extra:
+            raise ValueError(
+                f"parameter group has unknown key(s) {sorted(extra)} for optimizer "
+                f"{group.get('optimizer', name)!r}; it accepts {sorted(accepted)}"
+            )
