@@ -152,7 +152,7 @@ def test_muon_and_adamw_train_as_single_process_torch_optim(
     # gradient bytes). Where the matrices balance (the six of 96, 96, 96, 96,
     # 64, 64 elements on two ranks, all in one bucket at stages 1-2) nothing is
     # padded; what remains is the agreement each step of a rule's optimizer
-    # makes on failures (a rule may fail on one rank only): measured 1.003 of
+    # makes on failures (a rule may fail on one rank only): measured 1.005 of
     # AdamW's bytes on this tiny model, a fixed few bytes a step on a real one.
     # Where the matrices cannot balance, the padding shows: measured 1.083 on
     # three ranks at stages 1-2 (a rank holds two 96s), 1.174 on two ranks at
