@@ -182,6 +182,9 @@ void GradientReduction::gradient_arrived(size_t group, int64_t index) {
 
 void GradientReduction::on_gradient(size_t g, int64_t i, const at::Tensor& param) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  // A rank waiting in a hook's collective is named "in backward" when the
+  // ranks diverge ([Note: Which call a rank is in]), not "in no call".
+  Communicator::CallScope call(parts_.groups.shard(), "backward");
   if (!gradient_sync_) {
     unsynced_gradients_ = true;
     gradient_delivered();
@@ -291,6 +294,7 @@ at::Tensor GradientReduction::take_leftover_grad(size_t g, int64_t i) {
 
 void GradientReduction::end_backward(bool outermost) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  Communicator::CallScope call(parts_.groups.shard(), "backward");
   at::NoGradGuard no_grad;
   const bool stage1 = parts_.options.stage() == 1;
   bool join_round = false;

@@ -137,6 +137,7 @@ void ZeroOptimizer::Impl::unit_track_output(int64_t unit, const at::Tensor& outp
     // Autograd runs a backward with grad mode on only with create_graph.
     const bool create_graph = at::GradMode::is_enabled();
     std::lock_guard<std::recursive_mutex> lock(gradients_->mutex());
+    Communicator::CallScope call(communicator(), "backward");
     at::NoGradGuard no_grad;
     gradients_->track_current_backward();
     gradients_->follow_requires_grad(/*outside_backward=*/false);

@@ -217,13 +217,14 @@ def test_lost_rank_is_named_by_every_other_rank(kind: str, stage: int) -> None:
 
 # Which rank is in which call: 'alone': rank 0 calls full_state_dict() after
 # step 2, rank 1 goes on into step 3's forward (stage 3 gathers there, from
-# the module hooks) or backward; 'extra': rank 0 takes step 3 while rank 1
+# the module hooks) or backward (stage 2 reduces there, from the gradient
+# hooks: named "backward", not "no call"); 'extra': rank 0 takes step 3 while rank 1
 # saves a checkpoint.
 DIFFERENT_CALLS = {
     ("alone", 3): ("rank 0 is in full_state_dict", "rank 1 is in forward"),
     ("extra", 3): ("rank 0 is in forward", "rank 1 is in save_checkpoint"),
-    ("alone", 2): ("rank 0 is in full_state_dict", "rank 1 is in "),
-    ("extra", 2): ("rank 0 is in ", "rank 1 is in save_checkpoint"),
+    ("alone", 2): ("rank 0 is in full_state_dict", "rank 1 is in backward"),
+    ("extra", 2): ("rank 0 is in backward", "rank 1 is in save_checkpoint"),
 }
 
 
