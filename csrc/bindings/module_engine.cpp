@@ -42,6 +42,17 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
                     "the config has no \"optimizer\" section; zeroshard.initialize builds the "
                     "optimizer from it (\"optimizer\": {\"type\": \"AdamW\", \"params\": "
                     "{\"lr\": ...}})");
+  if (kind == "muon") {  // [Note: DeepSpeed's Muon]: zeroshard.deepspeed_muon splits the groups
+    const py::object loads = py::module_::import("json").attr("loads");
+    hyper["muon"] = loads(p.at("muon").dump());
+    hyper["adam"] = loads(p.at("adam").dump());
+    hyper["adam_w_mode"] = p.at("adam_w_mode").get<bool>();
+    py::dict out;
+    out["optimizer"] = kind;
+    out["hyperparameters"] = hyper;
+    out["zero_options"] = zero;
+    return out;
+  }
   hyper["lr"] = p.at("lr").get<double>();
   hyper["weight_decay"] = p.at("weight_decay").get<double>();
   if (kind == "sgd") {

@@ -13,7 +13,8 @@ namespace {
 
 StateKind state_kind_of(const DeepSpeedConfig& config) {
   if (config.optimizer_type != "SGD") {
-    // Adam, AdamW, or none given (the caller's: assume Adam's states).
+    // Adam, AdamW, or none given (the caller's: assume Adam's states). Muon:
+    // Adam's two states per element bound its matrices' one from above.
     const auto amsgrad = config.optimizer_params.find("amsgrad");
     return amsgrad != config.optimizer_params.end() && amsgrad->is_boolean() && amsgrad->get<bool>()
                ? StateKind::kAdamAmsgrad

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -122,11 +123,16 @@ const Keys kAdamParams = {
     "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode",
     "bias_correction", "set_grad_none", "max_grad_norm"};
 const Keys kSgdParams = {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
-const Keys kSupportedOptimizers = {"Adam", "AdamW", "SGD"};
+// DeepSpeed's Muon (MuonWithAuxAdam): the matrices' half and the auxiliary
+// Adam's, with muon_lr / adam_lr over the shared lr.
+const Keys kMuonParams = {
+    "lr", "momentum", "weight_decay", "ns_method", "muon_lr", "adam_lr", "betas", "eps",
+    "adam_w_mode", "torch_adam", "per_head_muon"};
+const Keys kSupportedOptimizers = {"Adam", "AdamW", "SGD", "Muon"};
 // DeepSpeed's optimizers, and torch.optim classes, which DeepSpeed looks up by name.
 const Keys kOtherOptimizers = {
     "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
-    "MuSGD", "Muon", "Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
+    "MuSGD", "Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
     "RMSprop", "Rprop", "SparseAdam"};
 // clang-format on
 
@@ -327,6 +333,63 @@ void read_precision(const Section& top, DeepSpeedConfig& out) {
                     ".enabled are both true; enable at most one");
 }
 
+json read_betas(const Section& params, const json& fallback) {
+  const json* betas = params.find("betas");
+  if (betas == nullptr) {
+    return fallback;
+  }
+  bool ok = betas->is_array() && betas->size() == 2;
+  for (size_t i = 0; ok && i < 2; ++i) {
+    const json& beta = (*betas)[i];
+    ok = beta.is_number() && beta.get<double>() >= 0 && beta.get<double>() < 1;
+  }
+  TORCH_CHECK_VALUE(ok, params.path("betas"), " must be a list of two numbers in [0, 1), got ",
+                    *betas);
+  return json::array({(*betas)[0].get<double>(), (*betas)[1].get<double>()});
+}
+
+// [Note: DeepSpeed's Muon]
+// DeepSpeed's "Muon" is MuonWithAuxAdam: parameters marked use_muon (by
+// default those with two or more dimensions whose name holds neither "embed"
+// nor "lm_head") take Muon, the rest an Adam. Its defaults are the ones
+// MuonWithAuxAdam writes into each group (lr 0.02, momentum 0.95; Adam lr
+// 3e-4, betas (0.9, 0.95), eps 1e-10; weight decay 0), muon_lr / adam_lr over
+// the shared lr. The Muon half is torch.optim.Muon with nesterov and the
+// "original" lr adjustment (sqrt(max(1, rows / cols))), which is DeepSpeed's
+// muon_update; its Newton-Schulz is torch's quintic one (DeepSpeed's
+// ns_method "standard"); "gram", DeepSpeed's default, computes the same
+// iteration through the Gram matrix for speed, so the values agree up to
+// rounding, not bit for bit.
+void read_muon(const Section& params, DeepSpeedConfig& out) {
+  TORCH_CHECK_VALUE(!params.boolean("per_head_muon", false), params.path("per_head_muon"),
+                    " = true is not supported yet by zeroshard: each matrix is orthogonalised "
+                    "whole; remove it");
+  const std::string ns_method = params.string("ns_method", "gram");
+  TORCH_CHECK_VALUE(ns_method == "gram" || ns_method == "standard", params.path("ns_method"),
+                    " must be \"gram\" or \"standard\", got \"", ns_method, "\"");
+  params.boolean("torch_adam", false);  // which Adam kernel DeepSpeed picks: the values agree
+  const double weight_decay = params.number("weight_decay", 0, 0);
+  const std::optional<double> lr = params.optional_number("lr", 0);
+  json muon = json::object();
+  muon["lr"] = params.number("muon_lr", lr.value_or(0.02), 0);
+  muon["momentum"] = params.number("momentum", 0.95, 0);
+  TORCH_CHECK_VALUE(muon["momentum"].get<double>() < 1, params.path("momentum"),
+                    " must be in [0, 1), got ", muon["momentum"]);
+  muon["weight_decay"] = weight_decay;
+  json adam = json::object();
+  adam["lr"] = params.number("adam_lr", lr.value_or(3e-4), 0);
+  adam["betas"] = read_betas(params, json::array({0.9, 0.95}));
+  adam["eps"] = params.number("eps", 1e-10, 0);
+  adam["weight_decay"] = weight_decay;
+  out.optimizer_type = "Muon";
+  out.optimizer_params = json::object();
+  out.optimizer_params["lr"] = muon["lr"];
+  out.optimizer_params["weight_decay"] = weight_decay;
+  out.optimizer_params["muon"] = std::move(muon);
+  out.optimizer_params["adam"] = std::move(adam);
+  out.optimizer_params["adam_w_mode"] = params.boolean("adam_w_mode", true);
+}
+
 void read_optimizer(const Section& top, DeepSpeedConfig& out) {
   if (!top.has("optimizer")) {
     return;
@@ -349,6 +412,10 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
                       closest(written, all), "\"?");
   }
 
+  if (type == "Muon") {
+    read_muon(optimizer.section("params", kMuonParams), out);
+    return;
+  }
   const bool sgd = type == "SGD";
   const Section params = optimizer.section("params", sgd ? kSgdParams : kAdamParams);
   json& resolved = out.optimizer_params;
@@ -393,17 +460,7 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
   TORCH_CHECK_VALUE(params.boolean("bias_correction", true),
                     "optimizer.params.bias_correction = false is not supported by zeroshard "
                     "(its Adam always corrects bias, as torch.optim.Adam does)");
-  resolved["betas"] = defaults.at("betas");
-  if (const json* betas = params.find("betas")) {
-    bool ok = betas->is_array() && betas->size() == 2;
-    for (size_t i = 0; ok && i < 2; ++i) {
-      const json& beta = (*betas)[i];
-      ok = beta.is_number() && beta.get<double>() >= 0 && beta.get<double>() < 1;
-    }
-    TORCH_CHECK_VALUE(ok, params.path("betas"), " must be a list of two numbers in [0, 1), got ",
-                      *betas);
-    resolved["betas"] = json::array({(*betas)[0].get<double>(), (*betas)[1].get<double>()});
-  }
+  resolved["betas"] = read_betas(params, defaults.at("betas"));
 }
 
 void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
@@ -558,6 +615,11 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
   TORCH_CHECK_VALUE(!config.optimizer_type.empty(),
                     "the DeepSpeed config has no \"optimizer\" section; build the optimizer "
                     "options in the program instead");
+  TORCH_CHECK_VALUE(config.optimizer_type != "Muon",
+                    "optimizer.type \"Muon\" trains two parameter groups (Muon for the hidden "
+                    "matrices, Adam for the rest), which one options object cannot describe; in "
+                    "C++ build the groups with MuonOptions and a rule for the rest, or use "
+                    "zeroshard.initialize from Python, which splits them as DeepSpeed does");
   const json& p = config.optimizer_params;
   const double lr = p.at("lr").get<double>();
   if (config.optimizer_type == "SGD") {

@@ -23,6 +23,7 @@ from torch import nn
 from zeroshard import _C, deepspeed_migration
 from zeroshard.auto import resolve_auto
 from zeroshard.checkpointing import _IN_FLIGHT
+from zeroshard.deepspeed_muon import muon_param_groups
 from zeroshard.groups import data_parallel_groups, hybrid_groups
 from zeroshard.optimizer import ZeroOptimizer
 from zeroshard.units import resolve_unit_classes
@@ -391,9 +392,15 @@ def initialize(
         raise ValueError(
             f"zeroshard.unit_classes is a stage 3 setting; zero_optimization.stage is {stage}"
         )
+    params: Any = model_parameters if model_parameters is not None else model.parameters()
+    hyperparameters = arguments["hyperparameters"]
+    kind = arguments["optimizer"]
+    if kind == "muon":  # two halves, as DeepSpeed's MuonWithAuxAdam
+        params = muon_param_groups(model, params, hyperparameters)
+        kind, hyperparameters = "adamw", {}
     optimizer = ZeroOptimizer(
-        model_parameters if model_parameters is not None else model.parameters(),
-        arguments["optimizer"],
+        params,
+        kind,
         stage,
         process_group,
         replicate_group=groups.replicate,
@@ -402,7 +409,7 @@ def initialize(
         check_collective_order=check_collective_order,
         **stage3,
         **zero,
-        **arguments["hyperparameters"],
+        **hyperparameters,
     )
     engine = Engine(model, optimizer, parsed)
     scheduler = _ConfiguredScheduler(engine) if parsed.has_scheduler else None

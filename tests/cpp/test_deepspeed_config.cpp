@@ -398,7 +398,7 @@ TEST(DeepSpeedConfigTest, OptimizerTypesAndParameters) {
 
   EXPECT_ERROR_HAS(ParseError(Config({{"optimizer", {{"type", "Lamb"}}}})),
                    "optimizer.type = \"Lamb\" is not supported yet by zeroshard; it runs "
-                   "\"Adam\", \"AdamW\" or \"SGD\"");
+                   "\"Adam\", \"AdamW\", \"SGD\" or \"Muon\"");
   EXPECT_ERROR_HAS(ParseError(Config({{"optimizer", {{"type", "AdamWW"}}}})),
                    "optimizer.type = \"AdamWW\" is not an optimizer DeepSpeed knows; did you mean "
                    "\"AdamW\"?");
@@ -443,6 +443,35 @@ TEST(DeepSpeedConfigTest, MakesTheMatchingLibTorchOptions) {
 
   EXPECT_ERROR_HAS(ErrorOf([] { make_optimizer_options(parse_deepspeed_config(Config({}), 1)); }),
                    "no \"optimizer\" section");
+}
+
+// [Note: DeepSpeed's Muon]: MuonWithAuxAdam's defaults, muon_lr / adam_lr over lr.
+TEST(DeepSpeedConfigTest, ReadsMuonAsItsTwoHalves) {
+  const DeepSpeedConfig defaults =
+      parse_deepspeed_config(Config({{"optimizer", {{"type", "Muon"}}}}), 1);
+  EXPECT_EQ(defaults.optimizer_type, "Muon");
+  const json& p = defaults.optimizer_params;
+  EXPECT_EQ(p.at("muon").at("lr"), 0.02);
+  EXPECT_EQ(p.at("muon").at("momentum"), 0.95);
+  EXPECT_EQ(p.at("adam").at("lr"), 3e-4);
+  EXPECT_EQ(p.at("adam").at("betas"), json::array({0.9, 0.95}));
+  EXPECT_EQ(p.at("adam").at("eps"), 1e-10);
+  EXPECT_EQ(p.at("adam_w_mode"), true);
+
+  const DeepSpeedConfig shared = parse_deepspeed_config(
+      Config({{"optimizer",
+               {{"type", "muon"},
+                {"params", {{"lr", 1e-3}, {"adam_lr", 5e-4}, {"weight_decay", 0.1}}}}}}),
+      1);
+  EXPECT_EQ(shared.optimizer_params.at("muon").at("lr"), 1e-3);  // the shared lr
+  EXPECT_EQ(shared.optimizer_params.at("adam").at("lr"), 5e-4);  // adam_lr over it
+  EXPECT_EQ(shared.optimizer_params.at("adam").at("weight_decay"), 0.1);
+  // One options object cannot hold two rules: the message says what to do.
+  EXPECT_ERROR_HAS(ErrorOf([&] { make_optimizer_options(shared); }),
+                   "in C++ build the groups with MuonOptions");
+  EXPECT_ERROR_HAS(
+      ParseError(Config({{"optimizer", {{"type", "Muon"}, {"params", {{"nesterov", false}}}}}})),
+      "nesterov");
 }
 
 DeepSpeedConfig WithScheduler(const std::string& type, const json& params) {

@@ -122,6 +122,31 @@ def test_zero_trainer_matches_single_process_trainer(
         assert counts == [2, 5], counts
 
 
+def test_zero_trainer_takes_deepspeeds_muon(tmp_path: Path, initial: dict) -> None:
+    # "type": "Muon" in the zeroshard config: Trainer's decay and no-decay
+    # groups each split into a Muon half (2-D weights whose name holds neither
+    # "embed" nor "lm_head": GPT-2's wte too, as DeepSpeed's rule has it) and
+    # an Adam half. test_deepspeed_muon.py checks the values against
+    # single-process torch.optim; here, that the Trainer builds and trains it.
+    result = _job(tmp_path, "--trainer", "zero", "--stage", "2", "--optimizer", "Muon")
+    params = dict(make_model_named_parameters())
+    muon = sum(1 for n, p in params.items() if p.dim() == 2)
+    groups = result["groups"]
+    # Trainer decays exactly GPT-2's 2-D weights (all Muon's); its no-decay
+    # group (biases, norms) is all Adam's and stays undecayed.
+    assert groups == [["Muon", muon, pytest.approx(0.1)], ["AdamW", len(params) - muon, 0.0]]
+    assert _diff(result["params"], initial) > 1e-3  # it trained
+    losses = [e["loss"] for e in result["log"]]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def make_model_named_parameters() -> list[tuple[str, torch.Tensor]]:
+    sys.path.insert(0, os.path.dirname(JOB))
+    from hf_trainer_job import make_model
+
+    return list(make_model().named_parameters())
+
+
 def test_resume_equals_straight_training_and_reshards(tmp_path: Path, ddp: dict) -> None:
     straight = _job(tmp_path / "straight", "--trainer", "zero", "--save-steps", "2")
     checkpoint = tmp_path / "straight" / "checkpoint-2"

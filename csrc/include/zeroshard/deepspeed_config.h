@@ -107,13 +107,15 @@ struct DeepSpeedConfig {
   OffloadDevice offload_optimizer = OffloadDevice::kNone;
   OffloadDevice offload_param = OffloadDevice::kNone;
 
-  // "Adam", "AdamW" or "SGD": what DeepSpeed would run. DeepSpeed runs "Adam" as AdamW unless
-  // its params say "adam_w_mode": false, so "Adam" here means coupled weight decay.
-  // Empty when the config has no "optimizer" (the caller brings its own, as in DeepSpeed).
+  // "Adam", "AdamW", "SGD" or "Muon": what DeepSpeed would run. DeepSpeed runs "Adam" as AdamW
+  // unless its params say "adam_w_mode": false, so "Adam" here means coupled weight decay. Empty
+  // when the config has no "optimizer" (the caller brings its own, as in DeepSpeed).
   std::string optimizer_type;
   // The optimizer's hyper-parameters with DeepSpeed's defaults filled in:
   //   Adam/AdamW: lr, betas [b1, b2], eps, weight_decay, amsgrad;
-  //   SGD: lr, momentum, dampening, weight_decay, nesterov.
+  //   SGD: lr, momentum, dampening, weight_decay, nesterov;
+  //   Muon: muon {lr, momentum, weight_decay}, adam {lr, betas, eps, weight_decay},
+  //   adam_w_mode, and lr / weight_decay as the Muon half's ([Note: DeepSpeed's Muon]).
   // DeepSpeed's selectors (torch_adam, adam_w_mode, ...) are resolved and dropped.
   nlohmann::json optimizer_params = nlohmann::json::object();
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import _C
+from zeroshard.deepspeed_muon import muon_param_groups
 from zeroshard.integrations import attach_no_sync
 from zeroshard.optimizer import ZeroOptimizer
 
@@ -103,7 +104,7 @@ def fill_auto(config: dict[str, Any], args: Any, world_size: int) -> dict[str, A
     params = optimizer.setdefault("params", {})
     _fill(params, "lr", float(args.learning_rate), "optimizer.params.")
     _fill(params, "weight_decay", float(args.weight_decay), "optimizer.params.")
-    if kind in ("adam", "adamw"):
+    if kind in ("adam", "adamw", "muon"):  # Muon: its Adam half's
         _fill(
             params, "betas", [float(args.adam_beta1), float(args.adam_beta2)], "optimizer.params."
         )
@@ -207,17 +208,21 @@ class ZeroTrainer(Trainer):
         stage = zero.pop("stage")
         zero.pop("max_norm")
         hyper = dict(arguments["hyperparameters"])
+        kind = arguments["optimizer"]
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [
-            {
-                "params": [p for n, p in named if n in decay],
-                "weight_decay": hyper["weight_decay"],
-            },
+        groups: list[dict[str, Any]] = [
+            {"params": [p for n, p in named if n in decay]},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        hyper.pop("weight_decay")
+        if kind == "muon":  # each group in Muon and Adam halves, as DeepSpeed's
+            groups = muon_param_groups(model, groups, hyper)
+            kind, hyper = "adamw", {}
+        else:
+            for group in groups:
+                group.setdefault("weight_decay", hyper["weight_decay"])
+            hyper.pop("weight_decay")
         # DeepSpeed's bf16.check_grad_overflow: a step whose gradients hold
         # inf/NaN changes nothing (and the schedule waits); here under any
         # precision, as Trainer's bf16 is autocast over fp32 weights.
@@ -228,7 +233,7 @@ class ZeroTrainer(Trainer):
             stage3 = {"module": model, "unit_classes": self._unit_classes}
         optimizer = ZeroOptimizer(
             groups,
-            arguments["optimizer"],
+            kind,
             stage,
             param_names=dict(model.named_parameters(remove_duplicate=False)),
             **stage3,

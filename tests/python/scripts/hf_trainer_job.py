@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--trainer", choices=["plain", "zero"], required=True)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--offload", default="none")
+    parser.add_argument("--optimizer", default="AdamW")
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
@@ -106,7 +107,7 @@ def main() -> None:
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "optimizer": {"type": opts.optimizer, "params": {"lr": "auto", "weight_decay": "auto"}},
             "zero_optimization": zero,
         }
         if opts.nan_at >= 0:  # skip steps with non-finite gradients
@@ -128,6 +129,15 @@ def main() -> None:
         "global_step": trainer.state.global_step,
         "lr": trainer.lr_scheduler.get_last_lr(),
     }
+    if opts.trainer == "zero":  # what each group runs, with what
+        result["groups"] = [
+            [
+                g["optimizer"].__name__ if "optimizer" in g else "",
+                len(g["params"]),
+                g["weight_decay"],
+            ]
+            for g in trainer.zero_optimizer.param_groups
+        ]
     if opts.evaluate:
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if opts.generate:
