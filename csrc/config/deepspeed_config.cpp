@@ -618,7 +618,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
   TORCH_CHECK_VALUE(config.optimizer_type != "Muon",
                     "optimizer.type \"Muon\" trains two parameter groups (Muon for the hidden "
                     "matrices, Adam for the rest), which one options object cannot describe; in "
-                    "C++ build the groups with MuonOptions and a rule for the rest, or use "
+                    "C++ build the two groups with MuonOptions().rule_options() and "
+                    "builtin_rule_options(AdamWOptions(...)) (builtin_rule.h), or use "
                     "zeroshard.initialize from Python, which splits them as DeepSpeed does");
   const json& p = config.optimizer_params;
   const double lr = p.at("lr").get<double>();

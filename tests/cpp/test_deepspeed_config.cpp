@@ -468,7 +468,8 @@ TEST(DeepSpeedConfigTest, ReadsMuonAsItsTwoHalves) {
   EXPECT_EQ(shared.optimizer_params.at("adam").at("weight_decay"), 0.1);
   // One options object cannot hold two rules: the message says what to do.
   EXPECT_ERROR_HAS(ErrorOf([&] { make_optimizer_options(shared); }),
-                   "in C++ build the groups with MuonOptions");
+                   "in C++ build the two groups with MuonOptions().rule_options() and "
+                   "builtin_rule_options(AdamWOptions(...))");
   EXPECT_ERROR_HAS(
       ParseError(Config({{"optimizer", {{"type", "Muon"}, {"params", {{"nesterov", false}}}}}})),
       "nesterov");

@@ -2,6 +2,7 @@
 // Adagrad written against the interface trains on 2 and 3 Gloo ranks (ranks
 // as threads) to LibTorch's torch::optim::Adagrad on the global batch, and
 // its own state ("sum") is saved at 2 ranks and resumed at 3.
+#include "zeroshard/builtin_rule.h"
 #include "zeroshard/muon_rule.h"
 #include "zeroshard/update_rule.h"
 #include "zeroshard/zero_optimizer.h"
@@ -17,7 +18,9 @@
 #include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
+#include <torch/csrc/api/include/torch/optim/adamw.h>
 
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -245,6 +248,80 @@ TEST_P(UpdateRuleTest, TheCppMuonOwnsEachMatrixWholeAndMatchesOneProcess) {
     EXPECT_GE(diffs[rank], 0.0);
     EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world;
   }
+}
+
+// Muon's recipe from C++: the matrices with MuonRule, the vectors with AdamW
+// as a BuiltinRule, in one optimizer; one process runs the same MuonRule on
+// the matrices and LibTorch's own AdamW on the vectors.
+TEST_P(UpdateRuleTest, MuonBesideABuiltinAdamWGroupMatchesOneProcess) {
+  const auto [world, stage] = GetParam();
+  const RuleOptions muon = MuonOptions().lr(2e-2).rule_options();
+  const torch::optim::AdamWOptions adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.05);
+  constexpr int kSteps = 5;
+  std::vector<at::Tensor> expected;
+  {
+    TinyModel model(0);
+    std::vector<at::Tensor> momenta = {at::zeros_like(model.params[0]),
+                                       at::zeros_like(model.params[2])};
+    torch::optim::AdamW reference({model.params[1], model.params[3]}, adamw);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, target] = GlobalBatch(step);
+      reference.zero_grad();
+      model.params[0].mutable_grad() = at::Tensor();
+      model.params[2].mutable_grad() = at::Tensor();
+      model.loss(x, target).backward();
+      std::vector<ParameterShard> pieces;
+      for (int i : {0, 2}) {
+        ParameterShard piece;
+        piece.sizes = model.params[i].sizes().vec();
+        piece.step = step + 1;
+        piece.param = model.params[i].detach().view({-1});
+        piece.grad = model.params[i].grad().reshape({-1});
+        piece.states = {momenta[i / 2].view({-1})};
+        pieces.push_back(piece);
+      }
+      at::NoGradGuard no_grad;
+      muon.rule()->update(muon.hyperparameters(), pieces);
+      reference.step();
+    }
+    expected = model.params;
+  }
+  EXPECT_GT(MaxDiff(TinyModel(0).params, expected), 1e-3);  // it trained
+  std::vector<double> diffs(world, -1);
+  std::mutex mutex;
+  auto errors = RunRanks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{model.params[0], model.params[2]},
+                        std::make_unique<RuleOptions>(muon));
+    groups.emplace_back(std::vector<at::Tensor>{model.params[1], model.params[3]},
+                        std::make_unique<RuleOptions>(builtin_rule_options(adamw)));
+    ZeroOptimizer optimizer(groups, pg, muon, ZeroOptions().stage(stage));
+    const int64_t per_rank = kGlobalBatch / world;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, target] = GlobalBatch(step);
+      optimizer.zero_grad();
+      model
+          .loss(x.narrow(0, rank * per_rank, per_rank), target.narrow(0, rank * per_rank, per_rank))
+          .backward();
+      optimizer.step();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(model.params, expected);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world << " stage " << stage;
+  }
+}
+
+TEST(UpdateRuleErrorsTest, BuiltinRuleOptionsNameTheClassAndItsStates) {
+  const RuleOptions amsgrad = builtin_rule_options(torch::optim::AdamWOptions().amsgrad(true));
+  EXPECT_EQ(amsgrad.rule()->name(), "torch.optim.AdamW");
+  EXPECT_EQ(amsgrad.rule()->state_names(amsgrad.hyperparameters()),
+            (std::vector<std::string>{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}));
+  EXPECT_THROW(builtin_rule_options(MuonOptions().rule_options()), c10::ValueError);
 }
 
 TEST(UpdateRuleErrorsTest, AVectorInAMuonOptimizerIsRefusedOnEveryRank) {
