@@ -103,7 +103,7 @@ void OffloadedOptimizerState::prepare_group(size_t g) {
   groups_[g].clear();
   size_t swap_index = first_swap_index_.at(g);
   for (const SubGroup& where : placement_.sub_groups(g)) {
-    SubGroupState state{where, {}, 0};
+    SubGroupState state{where, std::vector<at::Tensor>(kBuiltinOptimizerStates), 0};
     if (on_nvme(state)) {
       state.swap_index = swap_index++;
       for (int64_t slot = 0; slot < swapper_->states_per_sub_group(); ++slot) {
@@ -130,11 +130,8 @@ void OffloadedOptimizerState::check_swap_room(size_t g, OptimizerStateName name)
 }
 
 bool OffloadedOptimizerState::present(const SubGroupState& state, OptimizerStateName name) const {
-  if (static_cast<int>(name) >= kBuiltinOptimizerStates) {
-    return false;  // a rule's own state: offloaded shards run the built-in rules only
-  }
   if (!on_nvme(state)) {
-    return state.tensors[index_of(name)].defined();
+    return index_of(name) < state.tensors.size() && state.tensors[index_of(name)].defined();
   }
   const int64_t slot = swap_slot(name);
   return slot >= 0 && swapper_->present(state.swap_index, slot);
@@ -165,11 +162,6 @@ int64_t OffloadedOptimizerState::swap_slot(OptimizerStateName name) const {
 void OffloadedOptimizerState::ensure_states(size_t g,
                                             const std::vector<OptimizerStateName>& names) {
   for (OptimizerStateName name : names) {
-    TORCH_CHECK_VALUE(static_cast<int>(name) < kBuiltinOptimizerStates, "optimizer state '",
-                      optimizer_state_name(name),
-                      "' cannot be offloaded: offload_optimizer runs Adam, AdamW and SGD on "
-                      "the host, whose states are exp_avg, exp_avg_sq, max_exp_avg_sq and "
-                      "momentum_buffer");
     check_swap_room(g, name);  // before anything changes
   }
   for (auto& state : groups_[g]) {
@@ -180,6 +172,9 @@ void OffloadedOptimizerState::ensure_states(size_t g,
           swapper_->mark_zero(state.swap_index, slot);
         }
         continue;
+      }
+      if (state.tensors.size() <= index_of(name)) {
+        state.tensors.resize(index_of(name) + 1);
       }
       at::Tensor& t = state.tensors[index_of(name)];
       if (!t.defined()) {
@@ -472,6 +467,57 @@ void OffloadedOptimizerState::SwappedIn::unbind() {
 OffloadedOptimizerState::SwappedIn::~SwappedIn() {
   if (active_) {
     unbind();
+  }
+}
+
+// [Note: a rule on the host]
+// An UpdateRule (Muon, a torch.optim class) runs on the host as on the
+// device: on its pieces of the group's shard, here views of the host master,
+// gradient and states. Its group is one sub-group (StatePlacement), so each
+// piece's values are contiguous, a whole parameter's included. The gradient
+// is read in place when the group's shard is on the host (every 'cpu'
+// offloaded group); the new values go back to the parameters run by run.
+void OffloadedOptimizerState::step_by_rule(size_t g, const RuleOptions& options,
+                                           const std::vector<UpdateRun>& runs,
+                                           const at::Tensor& grad_shard, double grad_scale,
+                                           const UpdateCallbacks& callbacks) {
+  at::NoGradGuard no_grad;
+  TORCH_INTERNAL_ASSERT(groups_[g].size() <= 1, "a rule's offloaded group is one sub-group");
+  if (runs.empty() || groups_[g].empty()) {
+    return;
+  }
+  SubGroupState& state = groups_[g][0];
+  TORCH_INTERNAL_ASSERT(!on_nvme(state), "a rule's states are not swapped to NVMe");
+  const std::vector<OptimizerStateName> names = rule_states(options);
+  ensure_states(g, names);
+  const at::Tensor& master = state.tensors[index_of(OptimizerStateName::kMaster)];
+  if (grad_shard.device() != master.device() && host_syncs_ != nullptr) {
+    host_syncs_->count(HostSync::kOffloadGradientCopy);  // a blocking copy to the host
+  }
+  at::Tensor grad = grad_shard.to(master.device(), at::kFloat);
+  if (grad_scale != 1.0) {
+    grad = grad.mul(grad_scale);
+  }
+  std::vector<ParameterShard> pieces;
+  for (RulePiece& piece : callbacks.rule_pieces(runs)) {
+    ParameterShard& out = piece.parameter;
+    out.param = master.narrow(0, piece.shard_offset, piece.numel);
+    out.grad = grad.narrow(0, piece.shard_offset, piece.numel);
+    for (OptimizerStateName name : names) {
+      out.states.push_back(
+          state.tensors[index_of(name)].narrow(0, piece.shard_offset, piece.numel));
+    }
+    pieces.push_back(std::move(out));
+  }
+  if (!pieces.empty()) {
+    options.rule()->update(options.hyperparameters(), pieces);
+  }
+  if (master.device() != placement_.device() && host_syncs_ != nullptr) {
+    host_syncs_->count(HostSync::kOffloadUpdate);  // the blocking copies back
+  }
+  for (const UpdateRun& run : runs) {
+    callbacks.write_parameters(
+        run.offset, master.narrow(0, run.offset, run.length).to(param_dtypes_[g]), false);
   }
 }
 

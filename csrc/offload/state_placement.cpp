@@ -22,16 +22,20 @@ const char* state_tier_name(StateTier tier) {
 
 StatePlacement::StatePlacement(const std::vector<int64_t>& shard_numels, int64_t sub_group_size,
                                const OffloadOptions& offload_optimizer,
-                               const OffloadOptions& offload_param, c10::Device device)
+                               const OffloadOptions& offload_param, c10::Device device,
+                               const std::vector<bool>& one_sub_group)
     : offload_optimizer_(offload_optimizer), offload_param_(offload_param), device_(device) {
   TORCH_CHECK_VALUE(sub_group_size > 0, "sub_group_size must be > 0 elements, got ",
                     sub_group_size);
   int64_t total = 0;
   sub_groups_.resize(shard_numels.size());
   for (size_t g = 0; g < shard_numels.size(); ++g) {
-    for (int64_t offset = 0; offset < shard_numels[g]; offset += sub_group_size) {
-      sub_groups_[g].push_back(SubGroup{
-          g, offset, std::min(sub_group_size, shard_numels[g] - offset), StateTier::kDevice});
+    const int64_t size = g < one_sub_group.size() && one_sub_group[g]
+                             ? std::max<int64_t>(shard_numels[g], 1)
+                             : sub_group_size;
+    for (int64_t offset = 0; offset < shard_numels[g]; offset += size) {
+      sub_groups_[g].push_back(
+          SubGroup{g, offset, std::min(size, shard_numels[g] - offset), StateTier::kDevice});
       ++total;
     }
   }

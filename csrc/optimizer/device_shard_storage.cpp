@@ -84,42 +84,58 @@ void DeviceShardStorage::update(size_t g, const torch::optim::OptimizerOptions& 
   }
 }
 
+std::vector<ShardStorage::RulePiece> DeviceShardStorage::rule_pieces(
+    size_t g, const std::vector<UpdateRun>& runs) const {
+  const GroupBuffers& shard = buffers_[g];
+  const GroupLayout& layout = layout_.group(g);
+  std::vector<RulePiece> pieces;
+  auto segment = shard.segments.begin();
+  for (const UpdateRun& run : runs) {
+    for (; segment != shard.segments.end() && segment->shard_offset < run.offset + run.length;
+         ++segment) {
+      if (segment->shard_offset < run.offset || segment->numel == 0) {
+        continue;
+      }
+      TORCH_INTERNAL_ASSERT(
+          !layout.whole_parameters() ||
+              (segment->param_offset == 0 &&
+               segment->numel == layout.slot_of_param(segment->param_index).numel),
+          "a whole-parameter layout split parameter ", segment->param_index);
+      RulePiece piece;
+      piece.parameter.group = g;
+      piece.parameter.parameter = segment->param_index;
+      piece.parameter.param_offset = segment->param_offset;
+      piece.parameter.sizes = param_shapes_[g][segment->param_index];
+      piece.parameter.step = run.step;
+      piece.shard_offset = segment->shard_offset;
+      piece.numel = segment->numel;
+      pieces.push_back(std::move(piece));
+    }
+  }
+  return pieces;
+}
+
 void DeviceShardStorage::update_by_rule(size_t g, const RuleOptions& options,
                                         const std::vector<UpdateRun>& runs,
                                         const at::Tensor& grad_shard) {
   GroupBuffers& shard = buffers_[g];
   const GroupLayout& layout = layout_.group(g);
   const std::vector<OptimizerStateName> states = rule_states(options);
-  // The pieces of parameters the runs cover ([Note: elementwise rules on
-  // shards] in update_rule.h); the padding between them is left alone.
   std::vector<ParameterShard> pieces;
-  auto segment = shard.segments.begin();
-  for (const UpdateRun& run : runs) {
-    const Bucket& bucket = layout.buckets()[run.bucket];
-    const at::Tensor master = master_view(g, bucket);
-    for (; segment != shard.segments.end() && segment->shard_offset < run.offset + run.length;
-         ++segment) {
-      if (segment->shard_offset < run.offset || segment->numel == 0) {
-        continue;
-      }
-      ParameterShard piece;
-      piece.group = g;
-      piece.parameter = segment->param_index;
-      piece.param_offset = segment->param_offset;
-      piece.sizes = param_shapes_[g][segment->param_index];
-      TORCH_INTERNAL_ASSERT(
-          !layout.whole_parameters() ||
-              (segment->param_offset == 0 &&
-               segment->numel == layout.slot_of_param(segment->param_index).numel),
-          "a whole-parameter layout split parameter ", segment->param_index);
-      piece.step = run.step;
-      piece.param = master.narrow(0, segment->shard_offset - bucket.shard_offset, segment->numel);
-      piece.grad = grad_shard.narrow(0, segment->shard_offset, segment->numel).to(at::kFloat);
-      for (OptimizerStateName name : states) {
-        piece.states.push_back(shard.state(name).narrow(0, segment->shard_offset, segment->numel));
-      }
-      pieces.push_back(std::move(piece));
+  size_t run = 0;
+  for (RulePiece& piece : rule_pieces(g, runs)) {
+    while (piece.shard_offset >= runs[run].offset + runs[run].length) {
+      ++run;
     }
+    const Bucket& bucket = layout.buckets()[runs[run].bucket];
+    ParameterShard& out = piece.parameter;
+    out.param =
+        master_view(g, bucket).narrow(0, piece.shard_offset - bucket.shard_offset, piece.numel);
+    out.grad = grad_shard.narrow(0, piece.shard_offset, piece.numel).to(at::kFloat);
+    for (OptimizerStateName name : states) {
+      out.states.push_back(shard.state(name).narrow(0, piece.shard_offset, piece.numel));
+    }
+    pieces.push_back(std::move(out));
   }
   if (!pieces.empty()) {
     options.rule()->update(options.hyperparameters(), pieces);

@@ -45,6 +45,10 @@ class DeviceShardStorage final : public ShardStorage {
   void update(size_t group, const torch::optim::OptimizerOptions& options,
               const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
               bool fused, const UpdateCallbacks& callbacks) override;
+  // The pieces of parameters `runs` cover, from the group's segments (the
+  // padding between them is left alone): what an UpdateRule updates, on
+  // this tier and on the offloaded one.
+  std::vector<RulePiece> rule_pieces(size_t group, const std::vector<UpdateRun>& runs) const;
 
  private:
   // An UpdateRule's step: the runs' parameter pieces, each with its states.

@@ -70,12 +70,12 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
                           inner_kind_ == InnerOptimizerKind::kAdamW,
                       "fused=True is available for Adam and AdamW, not ", rule_name());
     TORCH_CHECK_VALUE(inner_kind_ != InnerOptimizerKind::kRule ||
-                          options_.offload_optimizer().device() == OffloadDevice::kNone,
-                      "offload_optimizer runs Adam, AdamW and SGD on the host with its own "
-                      "kernels; the update rule ",
+                          options_.offload_optimizer().device() != OffloadDevice::kNVMe,
+                      "offload_optimizer with device 'nvme' swaps the states of Adam, AdamW "
+                      "and SGD; the update rule ",
                       rule_name(),
-                      " runs on the training device only: drop offload_optimizer, or use "
-                      "optimizer 'adam', 'adamw' or 'sgd'");
+                      " keeps its states on the host with device 'cpu', or use optimizer "
+                      "'adam', 'adamw' or 'sgd'");
     TORCH_CHECK_VALUE(options_.stage() == 3 || units.empty(),
                       "units are a stage 3 feature; this optimizer has stage ", options_.stage());
     validate_parameters();
@@ -136,9 +136,10 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     shard_numels.push_back(layout_->group(g).shard_numel());
   }
-  placement_ = std::make_unique<StatePlacement>(shard_numels, options_.sub_group_size(),
-                                                options_.offload_optimizer(),
-                                                options_.offload_param(), device_);
+  placement_ = std::make_unique<StatePlacement>(
+      shard_numels, options_.sub_group_size(), options_.offload_optimizer(),
+      options_.offload_param(), device_,
+      std::vector<bool>(param_groups_.size(), inner_kind_ == InnerOptimizerKind::kRule));
   std::vector<at::TensorOptions> param_options;
   for (const auto& group : param_groups_) {
     param_options.push_back(group.params()[0].options().device(device_).requires_grad(false));

@@ -64,6 +64,11 @@ void ZeroOptimizer::Impl::update_shards(const std::vector<std::vector<bool>>& ha
     callbacks.write_parameters = [this, g](int64_t offset, const at::Tensor& values, bool async) {
       write_parameter_values(g, offset, values, async);
     };
+    if (rule) {
+      callbacks.rule_pieces = [this, g](const std::vector<ShardStorage::UpdateRun>& runs) {
+        return device_storage_->rule_pieces(g, runs);
+      };
+    }
     auto update = [&] {
       storage().update(g, param_groups_[g].options(), runs, gradients_->shard(g),
                        gradients_->shard_scale(), options_.fused(), callbacks);

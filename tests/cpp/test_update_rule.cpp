@@ -172,16 +172,20 @@ TEST(UpdateRuleCheckpointTest, SavedAtTwoRanksResumesAtThreeAsOneTraining) {
   }
 }
 
-TEST(UpdateRuleErrorsTest, OffloadingARuleIsRefusedOnEveryRankNamingIt) {
+// 'cpu' offload runs a rule on the host ([Note: a rule on the host]); NVMe
+// swaps the built-in states only.
+TEST(UpdateRuleErrorsTest, SwappingARuleToNvmeIsRefusedOnEveryRankNamingIt) {
+  TempDirectory directory;
   auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     TinyModel model(0);
     ZeroOptions options;
-    options.offload_optimizer(OffloadOptions().device(OffloadDevice::kCPU));
+    options.offload_optimizer(
+        OffloadOptions().device(OffloadDevice::kNVMe).nvme_path(directory.path()));
     ZeroOptimizer optimizer(model.params, pg, AdagradOptions(), options);
   });
   for (const auto& error : errors) {
     EXPECT_NE(error.find("test.Adagrad"), std::string::npos) << error;
-    EXPECT_NE(error.find("offload_optimizer"), std::string::npos) << error;
+    EXPECT_NE(error.find("device 'nvme'"), std::string::npos) << error;
   }
 }
 
@@ -253,8 +257,8 @@ TEST_P(UpdateRuleTest, TheCppMuonOwnsEachMatrixWholeAndMatchesOneProcess) {
 // Muon's recipe from C++: the matrices with MuonRule, the vectors with AdamW
 // as a BuiltinRule, in one optimizer; one process runs the same MuonRule on
 // the matrices and LibTorch's own AdamW on the vectors.
-TEST_P(UpdateRuleTest, MuonBesideABuiltinAdamWGroupMatchesOneProcess) {
-  const auto [world, stage] = GetParam();
+void ExpectMuonBesideAdamWMatchesOneProcess(int world, const ZeroOptions& zero) {
+  const int stage = zero.stage();
   const RuleOptions muon = MuonOptions().lr(2e-2).rule_options();
   const torch::optim::AdamWOptions adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.05);
   constexpr int kSteps = 5;
@@ -296,7 +300,7 @@ TEST_P(UpdateRuleTest, MuonBesideABuiltinAdamWGroupMatchesOneProcess) {
                         std::make_unique<RuleOptions>(muon));
     groups.emplace_back(std::vector<at::Tensor>{model.params[1], model.params[3]},
                         std::make_unique<RuleOptions>(builtin_rule_options(adamw)));
-    ZeroOptimizer optimizer(groups, pg, muon, ZeroOptions().stage(stage));
+    ZeroOptimizer optimizer(groups, pg, muon, zero);
     const int64_t per_rank = kGlobalBatch / world;
     for (int step = 0; step < kSteps; ++step) {
       auto [x, target] = GlobalBatch(step);
@@ -314,6 +318,18 @@ TEST_P(UpdateRuleTest, MuonBesideABuiltinAdamWGroupMatchesOneProcess) {
     EXPECT_GE(diffs[rank], 0.0);
     EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank << " world " << world << " stage " << stage;
   }
+}
+
+TEST_P(UpdateRuleTest, MuonBesideABuiltinAdamWGroupMatchesOneProcess) {
+  const auto [world, stage] = GetParam();
+  ExpectMuonBesideAdamWMatchesOneProcess(world, ZeroOptions().stage(stage));
+}
+
+// [Note: a rule on the host]: both groups' states in host memory.
+TEST_P(UpdateRuleTest, MuonBesideAdamWWithCpuOffloadMatchesOneProcess) {
+  const auto [world, stage] = GetParam();
+  ExpectMuonBesideAdamWMatchesOneProcess(world, ZeroOptions().stage(stage).offload_optimizer(
+                                                    OffloadOptions().device(OffloadDevice::kCPU)));
 }
 
 TEST(UpdateRuleErrorsTest, BuiltinRuleOptionsNameTheClassAndItsStates) {

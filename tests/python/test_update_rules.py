@@ -10,6 +10,7 @@ another world size and stage.
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ import zeroshard
 
 from dist_harness import run_ranks, unwrap
 from tiny_models import (
+    Optimizers,
     assert_ranks_match_reference,
     make_model,
     max_abs_diff,
@@ -60,7 +62,9 @@ def _single_process(cls: type, kwargs: dict[str, Any], steps: int, schedule: boo
     return snapshot(model)
 
 
-def _train_classes(rank: int, world_size: int, stage: int, names: list[str]) -> dict[str, Any]:
+def _train_classes(
+    rank: int, world_size: int, stage: int, names: list[str], offload: str = "none"
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         cls, kwargs = CLASSES[name]
@@ -72,6 +76,7 @@ def _train_classes(rank: int, world_size: int, stage: int, names: list[str]) -> 
             cls,
             stage=stage,
             reduce_bucket_size=64,  # several buckets: parameters split across ranks
+            offload_optimizer=offload,
             **module,
             **kwargs,
         )
@@ -124,6 +129,24 @@ def test_each_elementwise_class_trains_as_single_process_torch_optim(
             expected,
             max(TOLERANCE, tolerance),
             f"{name} W={world_size} stage {stage}",
+        )
+
+
+# [Note: a rule on the host]: the class steps the host's fp32 master and states.
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 3), (3, 2)])
+def test_classes_with_cpu_offload_train_as_single_process_torch_optim(
+    world_size: int, stage: int
+) -> None:
+    names = ["RAdam", "NAdam", "Adagrad"]
+    results = unwrap(run_ranks(world_size, _train_classes, stage, names, "cpu"))
+    for name in names:
+        cls, kwargs = CLASSES[name]
+        expected = _single_process(cls, kwargs, STEPS, schedule=name == "RAdam")
+        assert_ranks_match_reference(
+            [r[name]["params"] for r in results],
+            expected,
+            TOLERANCE,
+            f"{name} offloaded W={world_size} stage {stage}",
         )
 
 
@@ -190,21 +213,9 @@ def test_state_reads_as_torch_optim_and_resumes_at_another_world_size(tmp_path) 
 # ---- a rule per parameter group ---------------------------------------------------------
 
 
-class _Both(torch.optim.Optimizer):
+def _both(first: list[nn.Parameter], rest: list[nn.Parameter]) -> Optimizers:
     """Single-process torch.optim: Adagrad on some parameters, AdamW on the rest."""
-
-    def __init__(self, first: list[nn.Parameter], rest: list[nn.Parameter]) -> None:
-        self.adagrad = torch.optim.Adagrad(first, lr=5e-2)
-        self.adamw = torch.optim.AdamW(rest, lr=1e-2)
-        super().__init__(first + rest, {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.adagrad.zero_grad(set_to_none)
-        self.adamw.zero_grad(set_to_none)
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.adagrad.step()
-        self.adamw.step()
+    return Optimizers(torch.optim.Adagrad(first, lr=5e-2), torch.optim.AdamW(rest, lr=1e-2))
 
 
 def _split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -234,7 +245,7 @@ def _train_two_rules(rank: int, world_size: int, stage: int) -> dict[str, Any]:
 def test_a_group_with_its_own_optimizer_trains_as_two_torch_optimizers(stage: int) -> None:
     results = unwrap(run_ranks(2, _train_two_rules, stage))
     model = make_model(seed=0)
-    train(model, _Both(*_split(model)), STEPS, 0, 1)
+    train(model, _both(*_split(model)), STEPS, 0, 1)
     assert_ranks_match_reference(
         [r["params"] for r in results], snapshot(model), TOLERANCE, f"two rules stage {stage}"
     )
@@ -313,10 +324,14 @@ def _build(rank: int, world_size: int, case: str) -> str:
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
         elif case == "lbfgs":
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.LBFGS)
-        elif case == "offload":
-            zeroshard.ZeroOptimizer(
-                model.parameters(), torch.optim.RAdam, offload_optimizer="cpu", lr=1e-2
-            )
+        elif case == "offload_nvme":
+            with tempfile.TemporaryDirectory() as path:
+                zeroshard.ZeroOptimizer(
+                    model.parameters(),
+                    torch.optim.RAdam,
+                    offload_optimizer={"device": "nvme", "nvme_path": path},
+                    lr=1e-2,
+                )
         elif case == "group_muon":
             zeroshard.ZeroOptimizer(
                 [
@@ -345,7 +360,7 @@ def _build(rank: int, world_size: int, case: str) -> str:
         ("muon", "update rule torch.optim.Muon cannot update parameter"),
         ("adafactor", "optimizer torch.optim.Adafactor keeps state 'row_var'"),
         ("lbfgs", "optimizer torch.optim.LBFGS with hyper-parameters"),
-        ("offload", "runs on the training device only"),
+        ("offload_nvme", "keeps its states on the host with device 'cpu'"),
         ("group_muon", "cannot update parameter 1 of group 0 (shape [13])"),
         ("unknown_keyword", "'betas1': did you mean 'betas'?"),
         ("not_a_class", "torch.optim.Optimizer subclass"),

@@ -196,3 +196,21 @@ def make_gpt(
     model.checkpoint_mode = checkpoint_mode
     model.vary_order = vary_order
     return model
+
+
+class Optimizers(torch.optim.Optimizer):
+    """Several torch.optim optimizers stepped as one: the single-process
+    reference for a ZeroOptimizer whose groups run different rules."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        super().__init__(params, {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for optimizer in self.optimizers:
+            optimizer.step()

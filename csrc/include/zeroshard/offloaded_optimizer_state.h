@@ -83,6 +83,11 @@ class OffloadedOptimizerState final : public ShardStorage {
   void update(size_t group, const torch::optim::OptimizerOptions& options,
               const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard, double grad_scale,
               bool fused, const UpdateCallbacks& callbacks) override {
+    if (kind_ == InnerOptimizerKind::kRule) {
+      step_by_rule(group, static_cast<const RuleOptions&>(options), runs, grad_shard, grad_scale,
+                   callbacks);
+      return;
+    }
     step(group, options, runs, grad_shard, grad_scale, fused,
          [&callbacks](size_t, int64_t offset, const at::Tensor& values, bool async) {
            callbacks.write_parameters(offset, values, async);
@@ -109,9 +114,10 @@ class OffloadedOptimizerState final : public ShardStorage {
  private:
   struct SubGroupState {
     SubGroup where;
-    // By OptimizerStateName. NVMe sub-groups: views of a swap buffer during
-    // their update only; undefined otherwise.
-    std::array<at::Tensor, 5> tensors;
+    // By OptimizerStateName (a rule's own states after the built-in ones).
+    // NVMe sub-groups: views of a swap buffer during their update only;
+    // undefined otherwise.
+    std::vector<at::Tensor> tensors;
     size_t swap_index = 0;  // NVMe: the sub-group's index in the swapper
   };
   struct Staging {
@@ -128,6 +134,10 @@ class OffloadedOptimizerState final : public ShardStorage {
   void step_on_device(SubGroupState& state, const torch::optim::OptimizerOptions& options,
                       const std::vector<UpdateRun>& runs, const at::Tensor& grad_shard,
                       double grad_scale, bool fused, const WriteParameters& write_parameters);
+  // [Note: a rule on the host]
+  void step_by_rule(size_t group, const RuleOptions& options, const std::vector<UpdateRun>& runs,
+                    const at::Tensor& grad_shard, double grad_scale,
+                    const UpdateCallbacks& callbacks);
   void run_host_kernel(SubGroupState& state, const torch::optim::OptimizerOptions& options,
                        const UpdateRun& run, const Staging& staging, const float* grad,
                        float grad_scale) const;

@@ -19,6 +19,7 @@
 #include "zeroshard/optimizer_states.h"
 #include "zeroshard/shard_chunk.h"
 #include "zeroshard/state_placement.h"
+#include "zeroshard/update_rule.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -76,6 +77,14 @@ class ShardStorage {
     int64_t step = 0;
     int64_t bucket = 0;
   };
+  // One piece of a parameter an update rule updates ([Note: elementwise
+  // rules on shards] in update_rule.h): the parameter (tensors unset) and
+  // where the piece lies in the group's shard.
+  struct RulePiece {
+    ParameterShard parameter;
+    int64_t shard_offset = 0;
+    int64_t numel = 0;
+  };
   struct UpdateCallbacks {
     // The runs of buckets below `end` are updated: their parameters may be
     // gathered. The device tier calls it as its update moves past each
@@ -85,6 +94,9 @@ class ShardStorage {
     // copy of the parameters the device uses (may copy asynchronously; the
     // update returns when every copy has completed).
     std::function<void(int64_t offset, const at::Tensor& values, bool async)> write_parameters;
+    // An update rule's pieces of the runs (offloaded tiers; the device tier
+    // lists its own).
+    std::function<std::vector<RulePiece>(const std::vector<UpdateRun>& runs)> rule_pieces;
   };
   // Applies the update rule to `runs` of group `group` (sorted by offset):
   // gradient = grad_shard * grad_scale (the device tier's shard is already

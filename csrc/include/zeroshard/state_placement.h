@@ -38,10 +38,12 @@ struct SubGroup {
 class StatePlacement {
  public:
   // `shard_numels`: this rank's shard size per group (PartitionLayout's
-  // shard_numel, the same on every rank).
+  // shard_numel, the same on every rank). Groups marked in `one_sub_group`
+  // are one sub-group whatever their size (an update rule's: [Note: a rule
+  // on the host] in offloaded_optimizer_state.cpp).
   StatePlacement(const std::vector<int64_t>& shard_numels, int64_t sub_group_size,
                  const OffloadOptions& offload_optimizer, const OffloadOptions& offload_param,
-                 c10::Device device);
+                 c10::Device device, const std::vector<bool>& one_sub_group = {});
 
   // Of `total` sub-groups in group order, how many stay on the device with
   // offload_optimizer.ratio `ratio`: the first (1 - ratio) of them, rounded
