@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.update_rules import rule_name
+
 _STATE_KEY = "zeroshard_shard"
 
 # Optimizers with an asynchronous save in flight: interpreter exit waits for
@@ -82,11 +84,13 @@ class OptimizerCheckpointing:
             base = super().state_dict()
         finally:
             self.state = state
-        return {
-            "state": {},
-            "param_groups": base["param_groups"],
-            _STATE_KEY: self._impl.shard_state(),
-        }
+        # A group's own optimizer class is saved by its name: a class object
+        # is not something torch.load(weights_only=True) will read.
+        groups = [
+            {**g, "optimizer": rule_name(g["optimizer"])} if "optimizer" in g else g
+            for g in base["param_groups"]
+        ]
+        return {"state": {}, "param_groups": groups, _STATE_KEY: self._impl.shard_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Collective: restores a state saved by ``state_dict()`` on the same rank."""
@@ -101,10 +105,18 @@ class OptimizerCheckpointing:
                 f"state dict has {len(groups)} parameter groups, this optimizer has "
                 f"{len(self.param_groups)}"
             )
+        for index, (group, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
+            ours = rule_name(group["optimizer"]) if "optimizer" in group else None
+            if saved.get("optimizer") != ours:
+                raise ValueError(
+                    f"parameter group {index} of the state dict runs "
+                    f"{saved.get('optimizer') or 'optimizer='}, this optimizer's runs "
+                    f"{ours or 'optimizer='}; build the optimizer with the groups it was saved with"
+                )
         self._impl.load_shard_state(state_dict[_STATE_KEY])
         for group, saved in zip(self.param_groups, groups, strict=True):
             for key, value in saved.items():
-                if key != "params":
+                if key not in ("params", "optimizer"):
                     group[key] = value
 
     # Checkpoints that load at any world size and stage --------------------------

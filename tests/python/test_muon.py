@@ -327,3 +327,49 @@ def test_an_offloaded_muon_checkpoint_resumes_on_the_device_at_another_world_siz
             assert torch.equal(momentum, by_matrix[i]), i
             seen.add(i)
     assert seen == set(range(6))
+
+
+# ---- state_dict(): per-rank files that torch.load(weights_only=True) reads ------------
+
+
+def _state_dict_round_trip(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    optimizer = _zero(model, stage=2)
+    train(model, optimizer, 3, rank, world_size)
+    path = f"{directory}/rank{rank}.pt"
+    torch.save(optimizer.state_dict(), path)
+    train(model, optimizer, 2, rank, world_size, first_step=3)
+    straight = _full(model, optimizer)
+    resumed_model = make_gpt(seed=0)
+    resumed = _zero(resumed_model, stage=2)
+    train(resumed_model, resumed, 3, rank, world_size)  # the same weights; the state is loaded
+    # torch.load's default since torch 2.6: no class objects, only data.
+    saved = torch.load(path, weights_only=True)
+    resumed.load_state_dict(saved)
+    train(resumed_model, resumed, 2, rank, world_size, first_step=3)
+    # Groups that run other optimizers than the saved ones are refused.
+    swapped = zeroshard.ZeroOptimizer(
+        [{"params": _hidden(model), "optimizer": torch.optim.RAdam}, {"params": _rest(model)}],
+        "adamw",
+        stage=2,
+        lr=ADAMW_LR,
+    )
+    try:
+        swapped.load_state_dict(saved)
+        mismatch = "accepted"
+    except ValueError as error:
+        mismatch = str(error)
+    return {
+        "groups": [g.get("optimizer") for g in saved["param_groups"]],
+        "straight": straight,
+        "resumed": _full(resumed_model, resumed),
+        "mismatch": mismatch,
+    }
+
+
+def test_a_state_dict_saves_class_names_and_loads_with_weights_only(tmp_path) -> None:
+    for result in unwrap(run_ranks(2, _state_dict_round_trip, str(tmp_path))):
+        assert result["groups"] == ["torch.optim.Muon", None], result["groups"]
+        assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
+        expected = "group 0 of the state dict runs torch.optim.Muon, this optimizer's runs "
+        assert expected + "torch.optim.RAdam" in result["mismatch"], result["mismatch"]
