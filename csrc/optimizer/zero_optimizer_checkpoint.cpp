@@ -105,13 +105,15 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
       const at::Tensor& param = param_groups_[g].params()[i];
       const std::string name = parameter_name(g, i);
       group["params"].push_back(name);
-      index["params"].push_back({{"name", name},
-                                 {"aliases", parameter_aliases(g, i)},
-                                 {"shape", tensor_parallel_split(g, i).full_shape},
-                                 {"dtype", safetensors_dtype_name(param.scalar_type())},
-                                 {"group", g},
-                                 {"step", buffers_[g].steps[i]},
-                                 {"states", json::object()}});
+      index["params"].push_back(
+          {{"name", name},
+           {"aliases", parameter_aliases(g, i)},
+           {"shape", tensor_parallel_split(g, i).full_shape},
+           {"dtype", safetensors_dtype_name(param.scalar_type())},
+           {"group", g},
+           {"rule", update_rule_name(inner_kind_, param_groups_[g].options())},
+           {"step", buffers_[g].steps[i]},
+           {"states", json::object()}});
     }
     index["groups"].push_back(std::move(group));
   }

@@ -4,6 +4,7 @@
 #include "../checkpoint/checkpoint_detail.h"
 #include "../checkpoint/checkpoint_reader.h"
 #include "zero_optimizer_impl.h"
+#include "zeroshard/builtin_rule.h"
 #include "zeroshard/crc32c.h"
 
 #include <ATen/core/grad_mode.h>
@@ -21,6 +22,61 @@ namespace zeroshard {
 
 using json = nlohmann::json;
 using checkpoint_detail::message_of;
+
+namespace {
+
+// Each parameter's states are the ones its rule keeps: a parameter saved
+// by Muon (a momentum) loaded into AdamW would start AdamW's moments at zero
+// without a word. Checkpoints before the per-parameter "rule" name the
+// optimizer's rules as a whole.
+// Adam, AdamW and SGD keep the same states as the built-in kernels ("adamw")
+// and as a rule (torch.optim.AdamW from Python, BuiltinRule): one name.
+std::string rule_key(const std::string& name) {
+  for (InnerOptimizerKind kind :
+       {InnerOptimizerKind::kAdam, InnerOptimizerKind::kAdamW, InnerOptimizerKind::kSGD}) {
+    if (name == inner_optimizer_name(kind)) {
+      return BuiltinRule(kind).name();
+    }
+  }
+  return name;
+}
+
+// `rules`: each of this optimizer's parameters' name and rule; `all_rules`:
+// the optimizer's (rule_name()).
+void check_saved_rules(const json& index, const std::string& path,
+                       const std::vector<std::pair<std::string, std::string>>& rules,
+                       const std::string& all_rules) {
+  std::unordered_map<std::string, std::string> saved;
+  bool per_parameter = true;
+  for (const json& param : index.at("params")) {
+    const auto rule = param.find("rule");
+    if (rule == param.end()) {
+      per_parameter = false;
+      break;
+    }
+    saved[param.at("name").get<std::string>()] = rule->get<std::string>();
+    for (const json& alias : param.value("aliases", json::array())) {
+      saved[alias.get<std::string>()] = rule->get<std::string>();
+    }
+  }
+  if (!per_parameter) {
+    TORCH_CHECK_VALUE(index.at("inner_optimizer").get<std::string>() == all_rules, "checkpoint ",
+                      path, " holds the state of optimizer ", index.at("inner_optimizer"),
+                      " but this optimizer is ", all_rules,
+                      "; load with load_optimizer_states=false to take its weights only");
+    return;
+  }
+  for (const auto& [name, ours] : rules) {
+    const auto it = saved.find(name);
+    TORCH_CHECK_VALUE(it == saved.end() || rule_key(it->second) == rule_key(ours), "checkpoint ",
+                      path, " holds the state ", it->second, " keeps for parameter '", name,
+                      "', which this optimizer updates with ", ours,
+                      "; build the groups as they were saved, or load with "
+                      "load_optimizer_states=false to take the weights only");
+  }
+}
+
+}  // namespace
 
 LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in,
                                                       const CheckpointLoadOptions& options) {
@@ -54,10 +110,16 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     const json& index = reader->index();
     const std::string dumped = index.dump();
     index_crc = crc32c(dumped.data(), dumped.size());
-    TORCH_CHECK_VALUE(!with_state || index.at("inner_optimizer").get<std::string>() == rule_name(),
-                      "checkpoint ", path, " holds the state of optimizer ",
-                      index.at("inner_optimizer"), " but this optimizer is ", rule_name(),
-                      "; load with load_optimizer_states=false to take its weights only");
+    if (with_state) {
+      std::vector<std::pair<std::string, std::string>> rules;
+      for (size_t g = 0; g < param_groups_.size(); ++g) {
+        for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+          rules.emplace_back(parameter_name(g, i),
+                             update_rule_name(inner_kind_, param_groups_[g].options()));
+        }
+      }
+      check_saved_rules(index, path, rules, rule_name());
+    }
     // Match this optimizer's parameters with the saved ones by name. Under
     // tensor/expert parallelism another rank may hold a saved one (its
     // experts): checked over every rank once all have read the index.

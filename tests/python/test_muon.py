@@ -373,3 +373,48 @@ def test_a_state_dict_saves_class_names_and_loads_with_weights_only(tmp_path) ->
         assert max_abs_diff(result["resumed"], result["straight"]) == 0.0
         expected = "group 0 of the state dict runs torch.optim.Muon, this optimizer's runs "
         assert expected + "torch.optim.RAdam" in result["mismatch"], result["mismatch"]
+
+
+# ---- checkpoints know each parameter's rule -------------------------------------------
+
+
+def _load_into_other_groups(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    optimizer = _zero(model, stage=2)
+    train(model, optimizer, 2, rank, world_size)
+    optimizer.save_checkpoint(path)
+    momenta = _momenta(model, optimizer)
+    # The same rules, the groups in the other order: loads.
+    reordered_model = make_gpt(seed=4)
+    reordered = zeroshard.ZeroOptimizer(
+        [
+            {"params": _rest(reordered_model)},
+            {"params": _hidden(reordered_model), "optimizer": torch.optim.Muon, **MUON},
+        ],
+        "adamw",
+        stage=2,
+        lr=ADAMW_LR,
+        module=reordered_model,
+    )
+    reordered.load_checkpoint(path)
+    # The hidden matrices with AdamW: their saved state is Muon's momentum.
+    adamw_model = make_gpt(seed=4)
+    adamw = zeroshard.ZeroOptimizer(
+        adamw_model.parameters(), "adamw", stage=2, lr=ADAMW_LR, module=adamw_model
+    )
+    try:
+        adamw.load_checkpoint(path)
+        error = "accepted"
+    except ValueError as e:
+        error = str(e)
+    return {"momenta": momenta, "reordered": _momenta(reordered_model, reordered), "error": error}
+
+
+def test_a_checkpoint_refuses_a_parameter_whose_rule_changed(tmp_path) -> None:
+    for result in unwrap(run_ranks(2, _load_into_other_groups, str(tmp_path / "muon"))):
+        assert result["reordered"].keys() == result["momenta"].keys()
+        for i, momentum in result["momenta"].items():
+            assert torch.equal(result["reordered"][i], momentum), i
+        error = result["error"]
+        assert "holds the state torch.optim.Muon keeps for parameter 'blocks." in error, error
+        assert "this optimizer updates with adamw" in error.lower(), error
