@@ -8,6 +8,7 @@
 #ifdef ZEROSHARD_WITH_GLOO
 #include "rank_threads.h"
 #include "temp_directory.h"
+#include "tiny_model.h"
 #endif
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -77,37 +78,7 @@ TEST(StatePlacement, CutsShardsIntoSubGroupsAndKeepsTheFirstOnesOnTheDeviceByRat
 
 #ifdef ZEROSHARD_WITH_GLOO
 
-constexpr int64_t kGlobalBatch = 12;
 constexpr int kSteps = 10;
-
-struct TinyModel {
-  std::vector<at::Tensor> params;  // w1 [7,5], b1 [7], w2 [3,7], scale [1], unused [4]
-
-  explicit TinyModel(uint64_t seed) {
-    auto generator = at::detail::createCPUGenerator(seed);
-    for (auto sizes : std::vector<std::vector<int64_t>>{{7, 5}, {7}, {3, 7}, {1}, {4}}) {
-      params.push_back((at::randn(sizes, generator) * 0.5).set_requires_grad(true));
-    }
-  }
-  at::Tensor loss(const at::Tensor& x, const at::Tensor& target) const {
-    at::Tensor h = (x.matmul(params[0].t()) + params[1]).tanh();
-    return ((h.matmul(params[2].t()) * params[3]) - target).pow(2).mean();
-  }
-};
-
-std::pair<at::Tensor, at::Tensor> GlobalBatch(int step) {
-  auto generator = at::detail::createCPUGenerator(100 + step);
-  at::Tensor x = at::randn({kGlobalBatch, 5}, generator);
-  return {x, at::randn({kGlobalBatch, 3}, generator)};
-}
-
-double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  double diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, (a[i].detach() - b[i].detach()).abs().max().item<double>());
-  }
-  return diff;
-}
 
 std::vector<at::Tensor> TrainReference(const torch::optim::OptimizerOptions& options,
                                        double max_norm) {
