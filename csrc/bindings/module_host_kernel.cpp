@@ -62,11 +62,11 @@ void bind_host_kernel(py::module_& m) {
         host_adam_step(args, chosen);
       },
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-      py::arg("max_exp_avg_sq") = py::none(), py::arg("param_out") = py::none(),
-      py::arg("step") = 1, py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
-      py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0,
-      py::arg("decoupled_weight_decay") = true, py::arg("grad_scale") = 1.0,
-      py::arg("variant") = "auto",
+      // The hyper-parameters have no defaults here: a benchmark states them.
+      py::arg("max_exp_avg_sq") = py::none(), py::arg("param_out") = py::none(), py::kw_only(),
+      py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("decoupled_weight_decay") = true,
+      py::arg("grad_scale") = 1.0, py::arg("variant") = "auto",
       "One fused host Adam/AdamW pass over fp32 CPU tensors (see host_optimizer_kernel.h).");
   m.def(
       "host_sgd_step",
@@ -96,9 +96,9 @@ void bind_host_kernel(py::module_& m) {
         host_sgd_step(args, chosen);
       },
       py::arg("param"), py::arg("grad"), py::arg("momentum_buffer") = py::none(),
-      py::arg("param_out") = py::none(), py::arg("step") = 1, py::arg("lr") = 1e-2,
-      py::arg("momentum") = 0.0, py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0,
-      py::arg("nesterov") = false, py::arg("grad_scale") = 1.0, py::arg("variant") = "auto",
+      py::arg("param_out") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"),
+      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+      py::arg("grad_scale") = 1.0, py::arg("variant") = "auto",
       "One fused host SGD pass over fp32 CPU tensors.");
   m.def(
       "host_kernel_variant_supported",

@@ -93,8 +93,8 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         materialize_device: stage 3: where meta parameters are materialized.
         offload_optimizer: where the optimizer state (fp32 master, moments)
             and the step live: ``"cpu"`` or DeepSpeed's section as a dict
-            (``{"device": "cpu", "pin_memory": True, "ratio": 1.0}``, or
-            ``{"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4}``
+            (``{"device": "cpu", "ratio": 0.5}``, or
+            ``{"device": "nvme", "nvme_path": "/local_nvme"}``
             for a swap file per rank, read and written sub-group by sub-group;
             add ``"swap_gradients": True`` at stages 2-3 to put the fp32
             gradient shard there too, written as it is reduced); None or
@@ -102,12 +102,13 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         offload_param: stage 3: parameter shards in host memory, copied to the
             device ahead of each unit's all-gather (``"cpu"`` or a dict with
             DeepSpeed's offload_param keys), or in a swap file per rank with
-            ``{"device": "nvme", "nvme_path": ..., "buffer_count": 5,
-            "buffer_size": 1e8, "max_in_cpu": 1e9}``: read ahead of each
+            ``{"device": "nvme", "nvme_path": ...}``: read ahead of each
             all-gather in the previous iteration's order (at most
             ``buffer_count`` buckets of at most ``buffer_size`` elements),
             the first ``max_in_cpu`` elements kept in host memory. Needs
-            ``offload_optimizer``.
+            ``offload_optimizer``. Every key of both sections and its
+            default: docs/offload.md, or ``zeroshard._C.offload_option_keys()``
+            (the core's one list).
         aio: NVMe I/O settings, DeepSpeed's ``aio`` section (``block_size``,
             ``queue_depth``, ``intra_op_parallelism``, ``single_submit``,
             ``overlap_events``) plus ``use_io_uring`` (False: the thread pool).

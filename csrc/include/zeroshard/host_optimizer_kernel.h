@@ -35,7 +35,9 @@ struct HostAdamArgs {
   c10::ScalarType out_dtype = c10::ScalarType::Float;
   int64_t numel = 0;
   float grad_scale = 1.0f;
-  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  // The hyper-parameters: host_adam_args fills them from the options (whose
+  // defaults are torch.optim's, inner_optimizer.h); no second set of defaults.
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   bool decoupled_weight_decay = true;  // AdamW; false: Adam's L2 term
   int64_t step = 1;                    // after incrementing: 1 on the first update
 };
@@ -48,7 +50,7 @@ struct HostSgdArgs {
   c10::ScalarType out_dtype = c10::ScalarType::Float;
   int64_t numel = 0;
   float grad_scale = 1.0f;
-  double lr = 1e-2, momentum = 0, dampening = 0, weight_decay = 0;
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;  // from host_sgd_args
   bool nesterov = false;
   int64_t step = 1;  // 1: the momentum buffer starts as the gradient (torch.optim)
 };
