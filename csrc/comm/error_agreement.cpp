@@ -43,15 +43,18 @@ struct RankFailure {
   std::string message;
 };
 
-// "(k of n ranks failed): " and each failure's label and message, or "every
-// rank: " when all n failed alike.
+// "(k of n ranks failed): " (with `count_failures`) and each failure's label
+// and message, or "every rank: " when all n failed alike.
 std::string describe(const std::vector<std::string>& labels,
-                     const std::vector<std::string>& messages, int64_t ranks) {
+                     const std::vector<std::string>& messages, int64_t ranks,
+                     bool count_failures = true) {
   if (labels.empty()) {
     return "";
   }
   std::ostringstream message;
-  message << "(" << labels.size() << " of " << ranks << " ranks failed): ";
+  if (count_failures) {
+    message << "(" << labels.size() << " of " << ranks << " ranks failed): ";
+  }
   if (static_cast<int64_t>(labels.size()) == ranks &&
       std::all_of(messages.begin(), messages.end(),
                   [&](const auto& m) { return m == messages[0]; })) {
@@ -123,8 +126,13 @@ std::string combined_error(const std::vector<std::string>& errors) {
   return describe(labels, messages, static_cast<int64_t>(errors.size()));
 }
 
-std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
-                           const std::string& tag) {
+namespace {
+
+// Collective: every rank's `local` ("" = nothing to say), labelled by the
+// rank's number in each group of `scope`; `ranks`: the scope's size.
+void gather_labelled(const std::vector<AgreementGroup>& scope, const std::string& local_error,
+                     const std::string& tag, std::vector<std::string>& labels,
+                     std::vector<std::string>& messages, int64_t& ranks) {
   std::vector<const AgreementGroup*> groups;
   for (const AgreementGroup& group : scope) {
     if (group.comm != nullptr) {
@@ -142,7 +150,7 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
     }
     known.push_back(std::move(mine));
   }
-  int64_t ranks = 1;
+  ranks = 1;
   for (const AgreementGroup* group : groups) {
     ranks *= group->comm->world_size();
     std::vector<RankFailure> merged;
@@ -165,8 +173,6 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
                  merged.end());
     known = std::move(merged);
   }
-  std::vector<std::string> labels;
-  std::vector<std::string> messages;
   for (const RankFailure& failure : known) {
     // "rank 1" in one group; "shard rank 1, replica 0" in several.
     std::string label;
@@ -178,7 +184,26 @@ std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::
     labels.push_back(label);
     messages.push_back(failure.message);
   }
+}
+
+}  // namespace
+
+std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
+                           const std::string& tag) {
+  std::vector<std::string> labels;
+  std::vector<std::string> messages;
+  int64_t ranks = 1;
+  gather_labelled(scope, local_error, tag, labels, messages, ranks);
   return describe(labels, messages, ranks);
+}
+
+std::string each_rank_says(const std::vector<AgreementGroup>& scope, const std::string& mine,
+                           const std::string& tag) {
+  std::vector<std::string> labels;
+  std::vector<std::string> messages;
+  int64_t ranks = 1;
+  gather_labelled(scope, mine, tag, labels, messages, ranks);
+  return describe(labels, messages, ranks, /*count_failures=*/false);
 }
 
 void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,

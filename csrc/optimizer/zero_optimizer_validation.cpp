@@ -2,6 +2,7 @@
 // cross-rank agreement on the partition layout.
 #include "zero_optimizer_impl.h"
 
+#include "zeroshard/error_agreement.h"
 #include "zeroshard/update_rule.h"
 
 #include <ATen/core/grad_mode.h>
@@ -275,10 +276,7 @@ std::string each_ranks_values(const ProcessGroups& groups, const std::vector<Agr
   // compared nothing (the extremes do not span it).
   std::vector<AgreementGroup> scope = groups.scope();
   scope.resize(2);
-  const std::string agreed = groups.agree(mine, tag, scope);
-  // agree's form is "(k of n ranks failed): rank r: ..."; every rank has a value.
-  const auto start = agreed.find("): ");
-  return start == std::string::npos ? agreed : agreed.substr(start + 3);
+  return each_rank_says(scope, mine, tag);
 }
 
 }  // namespace

@@ -44,6 +44,12 @@ struct AgreementGroup {
 std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
                            const std::string& tag);
 
+// Collective as agree_on_error, for what every rank has to say (its values
+// of settings that differ): "rank 0: stage = 2; rank 1: stage = 3", ranks
+// alike named together, with no count of failures.
+std::string each_rank_says(const std::vector<AgreementGroup>& scope, const std::string& mine,
+                           const std::string& tag);
+
 // agree_on_error, then the raise: a rank that failed throws its own message
 // (what its caller would have thrown alone), the others c10::ValueError
 // "another rank failed to <what>; ...: " and the agreed message, which names
