@@ -47,19 +47,15 @@ py::dict optimizer_arguments(const DeepSpeedConfig& config) {
     hyper["muon"] = loads(p.at("muon").dump());
     hyper["adam"] = loads(p.at("adam").dump());
     hyper["adam_w_mode"] = p.at("adam_w_mode").get<bool>();
-    py::dict out;
-    out["optimizer"] = kind;
-    out["hyperparameters"] = hyper;
-    out["zero_options"] = zero;
-    return out;
+  } else {
+    hyper["lr"] = p.at("lr").get<double>();
+    hyper["weight_decay"] = p.at("weight_decay").get<double>();
   }
-  hyper["lr"] = p.at("lr").get<double>();
-  hyper["weight_decay"] = p.at("weight_decay").get<double>();
   if (kind == "sgd") {
     hyper["momentum"] = p.at("momentum").get<double>();
     hyper["dampening"] = p.at("dampening").get<double>();
     hyper["nesterov"] = p.at("nesterov").get<bool>();
-  } else {
+  } else if (kind != "muon") {
     hyper["betas"] = py::make_tuple(p.at("betas")[0].get<double>(), p.at("betas")[1].get<double>());
     hyper["eps"] = p.at("eps").get<double>();
     hyper["amsgrad"] = p.at("amsgrad").get<bool>();

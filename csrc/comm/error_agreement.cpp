@@ -188,22 +188,28 @@ void gather_labelled(const std::vector<AgreementGroup>& scope, const std::string
 
 }  // namespace
 
-std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
-                           const std::string& tag) {
+namespace {
+
+// agree_on_error's gathering and message, with or without the failure count.
+std::string gathered(const std::vector<AgreementGroup>& scope, const std::string& local,
+                     const std::string& tag, bool count_failures) {
   std::vector<std::string> labels;
   std::vector<std::string> messages;
   int64_t ranks = 1;
-  gather_labelled(scope, local_error, tag, labels, messages, ranks);
-  return describe(labels, messages, ranks);
+  gather_labelled(scope, local, tag, labels, messages, ranks);
+  return describe(labels, messages, ranks, count_failures);
+}
+
+}  // namespace
+
+std::string agree_on_error(const std::vector<AgreementGroup>& scope, const std::string& local_error,
+                           const std::string& tag) {
+  return gathered(scope, local_error, tag, /*count_failures=*/true);
 }
 
 std::string each_rank_says(const std::vector<AgreementGroup>& scope, const std::string& mine,
                            const std::string& tag) {
-  std::vector<std::string> labels;
-  std::vector<std::string> messages;
-  int64_t ranks = 1;
-  gather_labelled(scope, mine, tag, labels, messages, ranks);
-  return describe(labels, messages, ranks, /*count_failures=*/false);
+  return gathered(scope, mine, tag, /*count_failures=*/false);
 }
 
 void raise_if_any_rank_failed(const std::vector<AgreementGroup>& scope,

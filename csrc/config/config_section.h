@@ -248,6 +248,9 @@ inline void flag(DeepSpeedConfig& out, const std::string& path, const json& valu
       c10::str(path, " = ", value, " is not supported yet by zeroshard (", why, ")"));
 }
 
+// Reads the "optimizer" section (optimizer_config.cpp).
+void read_optimizer(const Section& top, DeepSpeedConfig& out);
+
 // Reads the "scheduler" section (lr_schedule.cpp).
 void read_scheduler(const Section& top, DeepSpeedConfig& out);
 

@@ -1,12 +1,8 @@
 #include "zeroshard/deepspeed_config.h"
 
 #include "config_section.h"
-#include "zeroshard/inner_optimizer.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/api/include/torch/optim/adam.h>
-#include <torch/csrc/api/include/torch/optim/adamw.h>
-#include <torch/csrc/api/include/torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -15,7 +11,6 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
-#include <optional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -113,27 +108,9 @@ const Keys kFp16Keys = {
 const Keys kBf16Keys = {
     "enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
     "bf16_optimizer_states"};
-const Keys kOptimizerKeys = {"type", "params", "legacy_fusion"};
 const Keys kZeroshardKeys = {"ignore_unsupported", "telemetry_file", "on_nonfinite",
                               "unit_classes"};
 
-// DeepSpeed's own parameters of FusedAdam/CPUAdam (bias_correction, set_grad_none) and of its
-// Adam selection (torch_adam, adam_w_mode) besides torch.optim.Adam's.
-const Keys kAdamParams = {
-    "lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode",
-    "bias_correction", "set_grad_none", "max_grad_norm"};
-const Keys kSgdParams = {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
-// DeepSpeed's Muon (MuonWithAuxAdam): the matrices' half and the auxiliary
-// Adam's, with muon_lr / adam_lr over the shared lr.
-const Keys kMuonParams = {
-    "lr", "momentum", "weight_decay", "ns_method", "muon_lr", "adam_lr", "betas", "eps",
-    "adam_w_mode", "torch_adam", "per_head_muon"};
-const Keys kSupportedOptimizers = {"Adam", "AdamW", "SGD", "Muon"};
-// DeepSpeed's optimizers, and torch.optim classes, which DeepSpeed looks up by name.
-const Keys kOtherOptimizers = {
-    "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
-    "MuSGD", "Adadelta", "Adafactor", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
-    "RMSprop", "Rprop", "SparseAdam"};
 // clang-format on
 
 // ---------------------------------------------------------------------------
@@ -333,136 +310,6 @@ void read_precision(const Section& top, DeepSpeedConfig& out) {
                     ".enabled are both true; enable at most one");
 }
 
-json read_betas(const Section& params, const json& fallback) {
-  const json* betas = params.find("betas");
-  if (betas == nullptr) {
-    return fallback;
-  }
-  bool ok = betas->is_array() && betas->size() == 2;
-  for (size_t i = 0; ok && i < 2; ++i) {
-    const json& beta = (*betas)[i];
-    ok = beta.is_number() && beta.get<double>() >= 0 && beta.get<double>() < 1;
-  }
-  TORCH_CHECK_VALUE(ok, params.path("betas"), " must be a list of two numbers in [0, 1), got ",
-                    *betas);
-  return json::array({(*betas)[0].get<double>(), (*betas)[1].get<double>()});
-}
-
-// [Note: DeepSpeed's Muon]
-// DeepSpeed's "Muon" is MuonWithAuxAdam: parameters marked use_muon (by
-// default those with two or more dimensions whose name holds neither "embed"
-// nor "lm_head") take Muon, the rest an Adam. Its defaults are the ones
-// MuonWithAuxAdam writes into each group (lr 0.02, momentum 0.95; Adam lr
-// 3e-4, betas (0.9, 0.95), eps 1e-10; weight decay 0), muon_lr / adam_lr over
-// the shared lr. The Muon half is torch.optim.Muon with nesterov and the
-// "original" lr adjustment (sqrt(max(1, rows / cols))), which is DeepSpeed's
-// muon_update; its Newton-Schulz is torch's quintic one (DeepSpeed's
-// ns_method "standard"); "gram", DeepSpeed's default, computes the same
-// iteration through the Gram matrix for speed, so the values agree up to
-// rounding, not bit for bit.
-void read_muon(const Section& params, DeepSpeedConfig& out) {
-  TORCH_CHECK_VALUE(!params.boolean("per_head_muon", false), params.path("per_head_muon"),
-                    " = true is not supported yet by zeroshard: each matrix is orthogonalised "
-                    "whole; remove it");
-  const std::string ns_method = params.string("ns_method", "gram");
-  TORCH_CHECK_VALUE(ns_method == "gram" || ns_method == "standard", params.path("ns_method"),
-                    " must be \"gram\" or \"standard\", got \"", ns_method, "\"");
-  params.boolean("torch_adam", false);  // which Adam kernel DeepSpeed picks: the values agree
-  const double weight_decay = params.number("weight_decay", 0, 0);
-  const std::optional<double> lr = params.optional_number("lr", 0);
-  json muon = json::object();
-  muon["lr"] = params.number("muon_lr", lr.value_or(0.02), 0);
-  muon["momentum"] = params.number("momentum", 0.95, 0);
-  TORCH_CHECK_VALUE(muon["momentum"].get<double>() < 1, params.path("momentum"),
-                    " must be in [0, 1), got ", muon["momentum"]);
-  muon["weight_decay"] = weight_decay;
-  json adam = json::object();
-  adam["lr"] = params.number("adam_lr", lr.value_or(3e-4), 0);
-  adam["betas"] = read_betas(params, json::array({0.9, 0.95}));
-  adam["eps"] = params.number("eps", 1e-10, 0);
-  adam["weight_decay"] = weight_decay;
-  out.optimizer_type = "Muon";
-  out.optimizer_params = json::object();
-  out.optimizer_params["lr"] = muon["lr"];
-  out.optimizer_params["weight_decay"] = weight_decay;
-  out.optimizer_params["muon"] = std::move(muon);
-  out.optimizer_params["adam"] = std::move(adam);
-  out.optimizer_params["adam_w_mode"] = params.boolean("adam_w_mode", true);
-}
-
-void read_optimizer(const Section& top, DeepSpeedConfig& out) {
-  if (!top.has("optimizer")) {
-    return;
-  }
-  const Section optimizer = top.section("optimizer", kOptimizerKeys);
-  optimizer.boolean("legacy_fusion", false);
-  TORCH_CHECK_VALUE(optimizer.has("type"), "optimizer.type is missing; expected ",
-                    quoted_list(kSupportedOptimizers));
-  const std::string written = optimizer.string("type", "");
-  const std::string type = find_name(written, kSupportedOptimizers);
-  if (type.empty()) {
-    const std::string other = find_name(written, kOtherOptimizers);
-    TORCH_CHECK_VALUE(other.empty(), "optimizer.type = \"", written,
-                      "\" is not supported yet by zeroshard; it runs ",
-                      quoted_list(kSupportedOptimizers));
-    Keys all = kSupportedOptimizers;
-    all.insert(all.end(), kOtherOptimizers.begin(), kOtherOptimizers.end());
-    TORCH_CHECK_VALUE(false, "optimizer.type = \"", written,
-                      "\" is not an optimizer DeepSpeed knows; did you mean \"",
-                      closest(written, all), "\"?");
-  }
-
-  if (type == "Muon") {
-    read_muon(optimizer.section("params", kMuonParams), out);
-    return;
-  }
-  const bool sgd = type == "SGD";
-  const Section params = optimizer.section("params", sgd ? kSgdParams : kAdamParams);
-  json& resolved = out.optimizer_params;
-  resolved = json::object();
-  // torch.optim's defaults (inner_optimizer.h), but for weight_decay, whose
-  // DeepSpeed default is 0 (FusedAdam, CPUAdam) where torch.optim.AdamW's is 0.01.
-  const nlohmann::json defaults =
-      inner_optimizer_defaults(sgd ? InnerOptimizerKind::kSGD : InnerOptimizerKind::kAdamW);
-  resolved["lr"] = params.number("lr", defaults.at("lr").get<double>(), 0);
-  resolved["weight_decay"] = params.number("weight_decay", 0, 0);
-  if (sgd) {
-    out.optimizer_type = "SGD";
-    resolved["momentum"] = params.number("momentum", defaults.at("momentum").get<double>(), 0);
-    resolved["dampening"] = params.number("dampening", defaults.at("dampening").get<double>());
-    resolved["nesterov"] = params.boolean("nesterov", defaults.at("nesterov").get<bool>());
-    TORCH_CHECK_VALUE(
-        !resolved["nesterov"].get<bool>() ||
-            (resolved["momentum"].get<double>() > 0 && resolved["dampening"].get<double>() == 0),
-        "optimizer.params.nesterov needs momentum > 0 and dampening 0 (as "
-        "torch.optim.SGD), got momentum ",
-        resolved["momentum"], " and dampening ", resolved["dampening"]);
-    return;
-  }
-
-  TORCH_CHECK_VALUE(!params.has("max_grad_norm"),
-                    "optimizer.params.max_grad_norm is not an optimizer parameter in DeepSpeed; "
-                    "use the top-level \"gradient_clipping\" instead");
-  // DeepSpeed runs "Adam" with decoupled weight decay too unless adam_w_mode is false; see
-  // _configure_basic_optimizer in deepspeed/runtime/engine.py.
-  const bool torch_adam = params.boolean("torch_adam", false);
-  const bool adam_w_mode = params.boolean("adam_w_mode", true);
-  const bool adamw = type == "AdamW" || adam_w_mode;
-  out.optimizer_type = adamw ? "AdamW" : "Adam";
-  // torch_adam hands the params to torch.optim.AdamW, whose weight_decay default is 0.01;
-  // DeepSpeed's FusedAdam and CPUAdam default to 0.
-  if (torch_adam && adamw && !params.has("weight_decay")) {
-    resolved["weight_decay"] = defaults.at("weight_decay");
-  }
-  resolved["eps"] = params.number("eps", defaults.at("eps").get<double>(), 0);
-  resolved["amsgrad"] = params.boolean("amsgrad", defaults.at("amsgrad").get<bool>());
-  params.boolean("set_grad_none", true);
-  TORCH_CHECK_VALUE(params.boolean("bias_correction", true),
-                    "optimizer.params.bias_correction = false is not supported by zeroshard "
-                    "(its Adam always corrects bias, as torch.optim.Adam does)");
-  resolved["betas"] = read_betas(params, defaults.at("betas"));
-}
-
 void read_top_level_features(const Section& top, DeepSpeedConfig& out) {
   for (const auto& key : kFeatureTopLevelKeys) {
     const json* value = top.find(key);
@@ -608,47 +455,6 @@ void check_supported(const DeepSpeedConfig& config) {
                     "the DeepSpeed config asks for settings zeroshard does not support yet:", list,
                     "\nRemove them, or add \"zeroshard\": {\"ignore_unsupported\": true} to the "
                     "config to train as if they were absent.");
-}
-
-std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
-    const DeepSpeedConfig& config) {
-  TORCH_CHECK_VALUE(!config.optimizer_type.empty(),
-                    "the DeepSpeed config has no \"optimizer\" section; build the optimizer "
-                    "options in the program instead");
-  TORCH_CHECK_VALUE(config.optimizer_type != "Muon",
-                    "optimizer.type \"Muon\" trains two parameter groups (Muon for the hidden "
-                    "matrices, Adam for the rest), which one options object cannot describe; in "
-                    "C++ build the two groups with MuonOptions().rule_options() and "
-                    "builtin_rule_options(AdamWOptions(...)) (builtin_rule.h), or use "
-                    "zeroshard.initialize from Python, which splits them as DeepSpeed does");
-  const json& p = config.optimizer_params;
-  const double lr = p.at("lr").get<double>();
-  if (config.optimizer_type == "SGD") {
-    auto options = std::make_unique<torch::optim::SGDOptions>(lr);
-    options->momentum(p.at("momentum").get<double>())
-        .dampening(p.at("dampening").get<double>())
-        .weight_decay(p.at("weight_decay").get<double>())
-        .nesterov(p.at("nesterov").get<bool>());
-    return options;
-  }
-  const auto betas =
-      std::make_tuple(p.at("betas")[0].get<double>(), p.at("betas")[1].get<double>());
-  if (config.optimizer_type == "AdamW") {
-    auto options = std::make_unique<torch::optim::AdamWOptions>(lr);
-    options->betas(betas)
-        .eps(p.at("eps").get<double>())
-        .weight_decay(p.at("weight_decay").get<double>())
-        .amsgrad(p.at("amsgrad").get<bool>());
-    return options;
-  }
-  TORCH_INTERNAL_ASSERT(config.optimizer_type == "Adam", "unexpected optimizer_type ",
-                        config.optimizer_type);
-  auto options = std::make_unique<torch::optim::AdamOptions>(lr);
-  options->betas(betas)
-      .eps(p.at("eps").get<double>())
-      .weight_decay(p.at("weight_decay").get<double>())
-      .amsgrad(p.at("amsgrad").get<bool>());
-  return options;
 }
 
 }  // namespace zeroshard

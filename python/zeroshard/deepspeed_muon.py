@@ -10,7 +10,7 @@ adjustment, which is DeepSpeed's ``muon_update``) and its Adam half
 (``torch.optim.AdamW``, or ``torch.optim.Adam`` with ``"adam_w_mode": false``),
 a group's own ``lr``/``weight_decay``/... over the config's, as DeepSpeed
 resolves them. The config's values are read in C++ (``[Note: DeepSpeed's
-Muon]`` in ``deepspeed_config.cpp``); every matrix is then updated whole by one
+Muon]`` in ``optimizer_config.cpp``); every matrix is then updated whole by one
 rank (``[Note: whole parameters]``).
 """
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from zeroshard import _C
 from zeroshard.checkpointing import _LIVE, OptimizerCheckpointing, public_call
+from zeroshard.grad_scaler import GradScalerProtocol
 from zeroshard.groups import data_parallel_groups, store_of
 from zeroshard.host_channel import add_host_backend
 from zeroshard.measurements import OptimizerMeasurements
@@ -48,7 +49,9 @@ from zeroshard.update_rules import (
 
 
 @_document_scalar_options
-class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.Optimizer):
+class ZeroOptimizer(
+    OptimizerMeasurements, OptimizerCheckpointing, GradScalerProtocol, torch.optim.Optimizer
+):
     """ZeRO optimizer: shards the optimizer state across the ranks of a process group.
 
     Args:
@@ -484,49 +487,6 @@ class ZeroOptimizer(OptimizerMeasurements, OptimizerCheckpointing, torch.optim.O
         if grad_scaler is not None:
             self._record_found_inf(grad_scaler)
         return loss
-
-    def _unscale_for(self, scaler: torch.amp.GradScaler) -> None:
-        """Divides the averaged gradients by ``scaler``'s scale and makes the
-        coming step check them for inf/NaN (GradScaler's protocol for an
-        optimizer with ``_step_supports_amp_scaling``)."""
-        state = scaler._per_optimizer_states[id(self)]
-        # After scaler.unscale_(optimizer), .grad (stage 1, no_sync) was
-        # unscaled in place and its check recorded; with nothing recorded the
-        # scaler found no .grad: the gradients are in the shard, still scaled.
-        unscaled = bool(state["found_inf_per_device"])
-        if not unscaled and self._clipped_since_step:
-            raise RuntimeError(
-                "zeroshard.ZeroOptimizer with torch.amp.GradScaler: clip_grad_norm_() ran on "
-                "gradients still multiplied by the loss scale (scaler.unscale_(optimizer) "
-                "cannot reach gradients held in the shard at stages 2 and 3); clip with "
-                "ZeroOptimizer(max_norm=...) instead, which clips inside step() after the unscale"
-            )
-        if not unscaled:
-            self._unscale_shards(scaler._scale.double().reciprocal())
-        self._impl.check_next_step_for_overflow()
-
-    @property
-    def _gradients_in_shards(self) -> bool:
-        """Whether backward leaves the gradients in the shards, not ``.grad``
-        (stages 2-3): where ``GradScaler.unscale_`` is routed here."""
-        return self._stage >= 2
-
-    def _unscale_shards(self, inv_scale: torch.Tensor) -> None:
-        """Reduces the gradients (if not yet) and multiplies the averaged
-        gradient shards by ``inv_scale`` (a tensor: read on the host only by offload); the coming
-        step checks them for inf/NaN ([Note: GradScaler's unscale_ routed])."""
-        self._impl.scale_gradients(inv_scale)
-        self._impl.check_next_step_for_overflow()
-
-    def _record_found_inf(self, scaler: torch.amp.GradScaler) -> None:
-        """Tells ``scaler`` whether the step was skipped: every rank's verdict
-        (the ranks agreed on it), so every rank's scale moves alike."""
-        scale = scaler._get_scale_async()
-        device = scale.device if scale is not None else torch.device("cpu")
-        found = 1.0 if self._impl.last_step_skipped() else 0.0
-        scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
-            device: torch.full((), found, dtype=torch.float32, device=device)
-        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears ``.grad`` of every parameter and, at stage 2, the gradient shard."""

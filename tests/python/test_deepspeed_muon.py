@@ -2,7 +2,7 @@
 
 DeepSpeed runs it as MuonWithAuxAdam: the hidden matrices with Muon, the
 rest (embeddings, head, biases, norms) with Adam. The engine splits the
-groups the same way ([Note: DeepSpeed's Muon] in deepspeed_config.cpp) and
+groups the same way ([Note: DeepSpeed's Muon] in optimizer_config.cpp) and
 must train as single-process ``torch.optim.Muon`` (Nesterov, the "original"
 lr adjustment: DeepSpeed's muon_update) + ``torch.optim.AdamW`` with the
 config's values, on the same global batch.
