@@ -41,6 +41,15 @@ class PythonUpdateRule : public UpdateRule {
     py::gil_scoped_acquire gil;
     return call("whole_parameters", hyperparameters.dump()).cast<bool>();
   }
+  double update_cost(const std::vector<int64_t>& sizes,
+                     const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    // Optional in Python: a class that does not say costs its elements.
+    if (!py::get_override(static_cast<const UpdateRule*>(this), "update_cost")) {
+      return UpdateRule::update_cost(sizes, hyperparameters);
+    }
+    return call("update_cost", sizes, hyperparameters.dump()).cast<double>();
+  }
   void update(const nlohmann::json& hyperparameters, std::vector<ParameterShard>& shards) override {
     py::gil_scoped_acquire gil;
     py::list pieces;
@@ -95,7 +104,9 @@ void bind_update_rules(py::module_& m) {
       "An elementwise update rule run on this rank's pieces of the parameters "
       "(update_rule.h). Subclasses define name(), state_names(hyperparameters_json), "
       "validate(hyperparameters_json), check_parameter(sizes, hyperparameters_json), "
-      "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces).")
+      "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces); "
+      "optionally update_cost(sizes, hyperparameters_json), a whole-parameter rule's work "
+      "on one parameter (default: its elements), which balances the owners.")
       .def(py::init<>())
       // A C++ rule's own answers (MuonRule), for the Python layer and the
       // estimator; a Python subclass's methods take their place.
@@ -104,8 +115,13 @@ void bind_update_rules(py::module_& m) {
            [](const UpdateRule& rule, const std::string& hyperparameters) {
              return rule.state_names(nlohmann::json::parse(hyperparameters));
            })
-      .def("whole_parameters", [](const UpdateRule& rule, const std::string& hyperparameters) {
-        return rule.whole_parameters(nlohmann::json::parse(hyperparameters));
+      .def("whole_parameters",
+           [](const UpdateRule& rule, const std::string& hyperparameters) {
+             return rule.whole_parameters(nlohmann::json::parse(hyperparameters));
+           })
+      .def("update_cost", [](const UpdateRule& rule, const std::vector<int64_t>& sizes,
+                             const std::string& hyperparameters) {
+        return rule.update_cost(sizes, nlohmann::json::parse(hyperparameters));
       });
   py::class_<MuonRule, UpdateRule, std::shared_ptr<MuonRule>>(
       m, "MuonRule", "torch.optim.Muon as the core's C++ rule (muon_rule.h).")

@@ -26,7 +26,8 @@ uint64_t mix(uint64_t hash, int64_t value) {
 
 GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
                          int64_t bucket_numel, const std::vector<int64_t>& param_units,
-                         int64_t alignment, bool whole_parameters)
+                         int64_t alignment, bool whole_parameters,
+                         const std::vector<double>& param_costs)
     : world_size_(world_size),
       bucket_numel_(bucket_numel),
       alignment_(alignment),
@@ -37,6 +38,13 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
   const auto num_params = static_cast<int64_t>(param_numels.size());
   TORCH_CHECK_VALUE(param_units.empty() || param_units.size() == param_numels.size(),
                     "param_units must be empty or give one unit per parameter");
+  TORCH_CHECK_VALUE(param_costs.empty() || param_costs.size() == param_numels.size(),
+                    "param_costs must be empty or give one cost per parameter");
+  std::vector<double> costs = param_costs;
+  if (costs.empty()) {
+    costs.assign(param_numels.begin(), param_numels.end());
+  }
+  std::vector<double> rank_costs(world_size_, 0.0);
   slot_of_param_.assign(num_params, -1);
   const bool has_units = !param_units.empty();
   auto unit_of = [&](int64_t index) { return has_units ? param_units[index] : kNoUnit; };
@@ -95,7 +103,7 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     }
     open.end_slot = static_cast<int64_t>(slots_.size());
     if (whole_parameters_) {
-      place_whole_parameters(open, open.end_slot);
+      place_whole_parameters(open, open.end_slot, costs, rank_costs);
     } else {
       open.numel = round_up(open_end, world_size_ * alignment_);
       open.shard_numel = open.numel / world_size_;
@@ -148,9 +156,11 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
                         "shard sizes must sum to the padded flat size");
 }
 
-void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end) {
+void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end,
+                                         const std::vector<double>& costs,
+                                         std::vector<double>& rank_costs) {
   // Largest first, each to the slice with the fewest elements so far (ties
-  // to the lowest rank): the LPT rule, so the slices come out even and the
+  // to the lowest): the LPT rule, so the slices come out even and the
   // padding that evens them stays small.
   std::vector<int64_t> by_size;
   for (int64_t s = bucket.first_slot; s < end; ++s) {
@@ -159,13 +169,36 @@ void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end) {
   std::stable_sort(by_size.begin(), by_size.end(),
                    [&](int64_t a, int64_t b) { return slots_[a].numel > slots_[b].numel; });
   std::vector<int64_t> filled(world_size_, 0);  // aligned elements of each slice
-  std::vector<int64_t> owner(slots_.size(), 0);
+  std::vector<double> slice_costs(world_size_, 0.0);
+  std::vector<int64_t> slice(slots_.size(), 0);
   std::vector<int64_t> position(slots_.size(), 0);
   for (int64_t s : by_size) {
-    const auto rank = std::min_element(filled.begin(), filled.end()) - filled.begin();
-    owner[s] = rank;
-    position[s] = filled[rank];
-    filled[rank] += round_up(slots_[s].numel, alignment_);
+    const auto k = std::min_element(filled.begin(), filled.end()) - filled.begin();
+    slice[s] = k;
+    position[s] = filled[k];
+    filled[k] += round_up(slots_[s].numel, alignment_);
+    slice_costs[k] += costs[slots_[s].param_index];
+  }
+  // Then the slices to ranks: the most work to the rank with the least so
+  // far (ties to the lowest rank), [Note: whole parameters].
+  std::vector<int64_t> slices_by_cost(world_size_);
+  std::vector<int64_t> ranks_by_cost(world_size_);
+  for (int64_t k = 0; k < world_size_; ++k) {
+    slices_by_cost[k] = k;
+    ranks_by_cost[k] = k;
+  }
+  std::stable_sort(slices_by_cost.begin(), slices_by_cost.end(),
+                   [&](int64_t a, int64_t b) { return slice_costs[a] > slice_costs[b]; });
+  std::stable_sort(ranks_by_cost.begin(), ranks_by_cost.end(),
+                   [&](int64_t a, int64_t b) { return rank_costs[a] < rank_costs[b]; });
+  std::vector<int64_t> owner_of_slice(world_size_);
+  for (int64_t i = 0; i < world_size_; ++i) {
+    owner_of_slice[slices_by_cost[i]] = ranks_by_cost[i];
+    rank_costs[ranks_by_cost[i]] += slice_costs[slices_by_cost[i]];
+  }
+  std::vector<int64_t> owner(slots_.size(), 0);
+  for (int64_t s : by_size) {
+    owner[s] = owner_of_slice[slice[s]];
   }
   bucket.shard_numel =
       std::max<int64_t>(alignment_, *std::max_element(filled.begin(), filled.end()));
@@ -226,6 +259,10 @@ uint64_t GroupLayout::fingerprint(uint64_t seed) const {
   }
   if (whole_parameters_) {
     hash = mix(hash, 0x77686f6c65);  // "whole"
+    // Costs move parameters between ranks at the same sizes.
+    for (const auto& slot : slots_) {
+      hash = mix(hash, slot.flat_offset);
+    }
   }
   for (const auto& slot : slots_) {
     hash = mix(hash, slot.param_index);
@@ -241,7 +278,8 @@ PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_
                                  int64_t world_size, int64_t bucket_numel,
                                  const std::vector<std::vector<int64_t>>& group_param_units,
                                  const std::vector<int64_t>& group_alignments,
-                                 const std::vector<bool>& group_whole_parameters)
+                                 const std::vector<bool>& group_whole_parameters,
+                                 const std::vector<std::vector<double>>& group_param_costs)
     : world_size_(world_size) {
   TORCH_CHECK_VALUE(
       group_param_units.empty() || group_param_units.size() == group_param_numels.size(),
@@ -252,12 +290,16 @@ PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_
   TORCH_CHECK_VALUE(
       group_whole_parameters.empty() || group_whole_parameters.size() == group_param_numels.size(),
       "group_whole_parameters must be empty or give one entry per group");
+  TORCH_CHECK_VALUE(
+      group_param_costs.empty() || group_param_costs.size() == group_param_numels.size(),
+      "group_param_costs must be empty or give one entry per group");
   groups_.reserve(group_param_numels.size());
   for (size_t g = 0; g < group_param_numels.size(); ++g) {
     groups_.emplace_back(group_param_numels[g], world_size, bucket_numel,
                          group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g],
                          group_alignments.empty() ? 1 : group_alignments[g],
-                         !group_whole_parameters.empty() && group_whole_parameters[g]);
+                         !group_whole_parameters.empty() && group_whole_parameters[g],
+                         group_param_costs.empty() ? std::vector<double>{} : group_param_costs[g]);
   }
 }
 

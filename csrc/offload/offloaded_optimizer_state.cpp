@@ -496,7 +496,10 @@ void OffloadedOptimizerState::step_by_rule(size_t g, const RuleOptions& options,
   }
   at::Tensor grad = grad_shard.to(master.device(), at::kFloat);
   if (grad_scale != 1.0) {
-    grad = grad.mul(grad_scale);
+    // Scaled in the host copy where .to() made one (a device's or a 16-bit
+    // shard); the reduction's own fp32 host shard is not ours to change.
+    const bool copied = !grad.is_same(grad_shard);
+    grad = copied ? grad.mul_(grad_scale) : grad.mul(grad_scale);
   }
   std::vector<ParameterShard> pieces;
   for (RulePiece& piece : callbacks.rule_pieces(runs)) {

@@ -112,25 +112,31 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
 
   std::vector<std::vector<int64_t>> numels;
-  std::vector<int64_t> alignments;  // [Note: aligned slots], in each group's dtype
-  std::vector<bool> whole;          // [Note: whole parameters]
+  std::vector<int64_t> alignments;         // [Note: aligned slots], in each group's dtype
+  std::vector<bool> whole;                 // [Note: whole parameters]
+  std::vector<std::vector<double>> costs;  // and who owns which
   for (const auto& group : param_groups_) {
-    whole.push_back(
-        inner_kind_ == InnerOptimizerKind::kRule &&
-        static_cast<const RuleOptions&>(group.options())
-            .rule()
-            ->whole_parameters(static_cast<const RuleOptions&>(group.options()).hyperparameters()));
+    const auto* rule = inner_kind_ == InnerOptimizerKind::kRule
+                           ? &static_cast<const RuleOptions&>(group.options())
+                           : nullptr;
+    whole.push_back(rule != nullptr && rule->rule()->whole_parameters(rule->hyperparameters()));
     std::vector<int64_t> group_numels;
+    std::vector<double> group_costs;
     for (const auto& param : group.params()) {
       group_numels.push_back(param.numel());
+      if (whole.back()) {
+        group_costs.push_back(
+            rule->rule()->update_cost(param.sizes().vec(), rule->hyperparameters()));
+      }
     }
     numels.push_back(std::move(group_numels));
+    costs.push_back(std::move(group_costs));
     alignments.push_back(
         group.params().empty() ? 1 : alignment_in_elements(group.params()[0].element_size()));
   }
   layout_ = std::make_unique<PartitionLayout>(numels, groups_->shard().world_size(),
                                               options_.reduce_bucket_size(), param_units,
-                                              alignments, whole);
+                                              alignments, whole, costs);
   check_layout_agrees_across_ranks();
   std::vector<int64_t> shard_numels;
   for (size_t g = 0; g < param_groups_.size(); ++g) {

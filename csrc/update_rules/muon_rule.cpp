@@ -88,6 +88,16 @@ void MuonRule::check_parameter(const std::vector<int64_t>& sizes,
                     sizes.size(), " dimensions");
 }
 
+double MuonRule::update_cost(const std::vector<int64_t>& sizes,
+                             const nlohmann::json& /*hyperparameters*/) const {
+  if (sizes.size() != 2) {
+    return UpdateRule::update_cost(sizes, {});  // refused by check_parameter
+  }
+  const auto rows = static_cast<double>(sizes[0]);
+  const auto cols = static_cast<double>(sizes[1]);
+  return rows * cols * std::min(rows, cols);
+}
+
 // torch.optim._muon._single_tensor_muon, op for op, on each whole matrix.
 void MuonRule::update(const nlohmann::json& h, std::vector<ParameterShard>& shards) {
   const double lr = h.at("lr").get<double>();

@@ -11,6 +11,15 @@ RuleOptions::RuleOptions(std::shared_ptr<UpdateRule> rule, nlohmann::json hyperp
                     rule_->name(), "' must be a JSON object; got ", hyperparameters_.dump());
 }
 
+double UpdateRule::update_cost(const std::vector<int64_t>& sizes,
+                               const nlohmann::json& /*hyperparameters*/) const {
+  double numel = 1;
+  for (int64_t size : sizes) {
+    numel *= static_cast<double>(size);
+  }
+  return numel;
+}
+
 double RuleOptions::get_lr() const {
   TORCH_CHECK_VALUE(hyperparameters_.contains("lr") && hyperparameters_.at("lr").is_number(),
                     "update rule '", rule_->name(), "' has no numeric \"lr\" hyper-parameter");

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -187,6 +188,15 @@ class TorchOptimizerRule(_C.UpdateRule):
 
     def whole_parameters(self, hyperparameters: str) -> bool:
         return self._layout(json.loads(hyperparameters)).whole
+
+    def update_cost(self, sizes: list[int], hyperparameters: str) -> float:
+        """A whole parameter's update work, which balances the owners ([Note:
+        whole parameters]): Newton-Schulz's m * n * min(m, n) for a Muon
+        subclass, else the parameter's elements."""
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is not None and issubclass(self._cls, muon) and len(sizes) == 2:
+            return float(sizes[0] * sizes[1] * min(sizes))
+        return float(math.prod(sizes))
 
     def check_parameter(self, sizes: list[int], hyperparameters: str) -> None:
         """A whole-parameter class on a small tensor of the parameter's number of

@@ -220,6 +220,50 @@ TEST(PartitionLayoutTest, WholeParametersEachHaveOneOwner) {
   EXPECT_EQ(even.segments_of_rank(1).size(), 1u);
 }
 
+namespace {
+
+// The work each rank owns in a whole-parameter layout.
+std::vector<double> owned_costs(const GroupLayout& layout, const std::vector<double>& costs) {
+  std::vector<double> owned(layout.world_size(), 0.0);
+  for (int64_t rank = 0; rank < layout.world_size(); ++rank) {
+    for (const auto& segment : layout.segments_of_rank(rank)) {
+      owned[rank] += costs[segment.param_index];
+    }
+  }
+  return owned;
+}
+
+}  // namespace
+
+// [Note: whole parameters]: the owners are balanced over all buckets by the
+// rule's work, at the padding each bucket's slices need anyway.
+TEST(PartitionLayoutTest, WholeParameterOwnersBalanceWorkAcrossBuckets) {
+  // Stage 3, one matrix per unit: each bucket has one non-empty slice. It
+  // went to rank 0 in every bucket; now to each rank in turn.
+  const std::vector<int64_t> numels = {96, 96, 96, 96, 96, 96, 96, 96};
+  const std::vector<int64_t> units = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int64_t world : {2, 3, 4, 8}) {
+    GroupLayout layout(numels, world, 1000, units, 4, /*whole_parameters=*/true);
+    const std::vector<double> costs(numels.begin(), numels.end());
+    const std::vector<double> owned = owned_costs(layout, costs);
+    const auto [low, high] = std::minmax_element(owned.begin(), owned.end());
+    EXPECT_LE(*high - *low, 96.0) << "world " << world;  // at most one matrix apart
+    // The same padding as before: every bucket one matrix per slice.
+    EXPECT_EQ(layout.flat_numel(), 8 * 96 * world) << "world " << world;
+  }
+  // Equal sizes, unequal work (Muon's m * n * min(m, n): a 4x24 and a 12x8
+  // matrix both hold 96 elements, and cost 384 and 768): the costly ones
+  // spread over the ranks, not only the large ones.
+  const std::vector<double> costs = {384, 768, 384, 768, 384, 768, 384, 768};
+  GroupLayout by_cost(numels, 2, 1000, units, 4, true, costs);
+  const std::vector<double> owned = owned_costs(by_cost, costs);
+  EXPECT_EQ(owned[0], owned[1]);
+  GroupLayout by_size(numels, 2, 1000, units, 4, true);
+  EXPECT_NE(by_cost.fingerprint(0), by_size.fingerprint(0)) << "costs moved parameters";
+  EXPECT_EQ(by_cost.flat_numel(), by_size.flat_numel());
+  EXPECT_THROW(GroupLayout(numels, 2, 1000, units, 4, true, {1.0}), c10::ValueError);
+}
+
 TEST(PartitionLayoutTest, SeveralGroupsAndFingerprints) {
   PartitionLayout a({{4, 5}, {6}}, 2, 1000);
   PartitionLayout same({{4, 5}, {6}}, 2, 1000);

@@ -311,6 +311,15 @@ TEST(UpdateRuleErrorsTest, BuiltinRuleOptionsNameTheClassAndItsStates) {
   EXPECT_THROW(builtin_rule_options(MuonOptions().rule_options()), c10::ValueError);
 }
 
+// [Note: whole parameters]: the owners are balanced by the rule's work.
+TEST(UpdateRuleErrorsTest, MuonCostsNewtonSchulzWorkOtherRulesTheirElements) {
+  const RuleOptions muon = MuonOptions().rule_options();
+  EXPECT_EQ(muon.rule()->update_cost({4, 6}, muon.hyperparameters()), 4.0 * 6.0 * 4.0);
+  EXPECT_EQ(muon.rule()->update_cost({12, 8}, muon.hyperparameters()), 12.0 * 8.0 * 8.0);
+  const RuleOptions adamw = builtin_rule_options(torch::optim::AdamWOptions());
+  EXPECT_EQ(adamw.rule()->update_cost({4, 6}, adamw.hyperparameters()), 24.0);
+}
+
 TEST(UpdateRuleErrorsTest, AVectorInAMuonOptimizerIsRefusedOnEveryRank) {
   auto errors = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     TinyModel model(0);

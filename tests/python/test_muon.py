@@ -108,6 +108,7 @@ def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "params": _full(model, optimizer),
         "owned": owned,
+        "shapes": [tuple(p.shape) for p in _hidden(model)],
         "muon": muon_stats,
         "adamw": dict(adamw.comm_stats()),
     }
@@ -152,6 +153,15 @@ def test_muon_and_adamw_train_as_single_process_torch_optim(
     owners = [sum(r["owned"][i] for r in results) for i in range(len(results[0]["owned"]))]
     assert owners == [1] * len(owners), owners
     assert all(any(r["owned"]) for r in results)
+    # The owners are balanced by Newton-Schulz's work (m * n * min(m, n)) over
+    # all buckets: no rank owns more than one matrix's work beyond another.
+    # Before, the largest slice of every bucket went to rank 0: at stage 3
+    # (each block one bucket of 96, 96 and 64 elements) rank 0 of two owned
+    # four of the six matrices.
+    costs = [m * n * min(m, n) for m, n in results[0]["shapes"]]
+    work = [sum(c for c, own in zip(costs, r["owned"], strict=True) if own) for r in results]
+    print(f"{label}: Newton-Schulz work per rank {work}")
+    assert max(work) - min(work) <= max(costs), work
     # Bytes on the wire: the same reduce-scatter and all-gather as AdamW's, of
     # owner-aligned buckets whose slices are evened by padding; no all-reduce
     # of whole gradients (DeepSpeed's ZeRO-3 Muon all-reduces them: twice the

@@ -50,6 +50,9 @@ class MuonRule : public UpdateRule {
   void check_parameter(const std::vector<int64_t>& sizes,
                        const nlohmann::json& hyperparameters) const override;
   bool whole_parameters(const nlohmann::json& /*hyperparameters*/) const override { return true; }
+  // Newton-Schulz's multiply-adds: m * n * min(m, n) per iteration.
+  double update_cost(const std::vector<int64_t>& sizes,
+                     const nlohmann::json& hyperparameters) const override;
   void update(const nlohmann::json& hyperparameters, std::vector<ParameterShard>& shards) override;
 };
 

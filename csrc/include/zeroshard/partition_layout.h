@@ -44,6 +44,14 @@ namespace zeroshard {
 // them back, as for any bucket; the cost is the padding that evens the
 // slices, on the wire and in the shards.
 //
+// Which rank gets which of a bucket's slices is free (the padding is the
+// same), so the owners are balanced by the rule's work over all buckets
+// (UpdateRule::update_cost; Newton-Schulz grows as m * n * min(m, n), not as
+// m * n): the slice with the most work goes to the rank with the least so
+// far. Without this, the largest slice of every bucket went to rank 0 (a
+// stage-3 unit with fewer matrices than ranks, or one matrix per bucket,
+// left the others idle while rank 0 orthogonalized every matrix).
+//
 // A rank's shard is the concatenation of its slices of all buckets, so it is
 // one contiguous tensor. When the group fits in one bucket (the default bucket
 // size is 5e6 elements) this is exactly "rank r owns one contiguous slice of
@@ -100,10 +108,12 @@ class GroupLayout {
   // param_units (stage 3): the unit of each parameter, or kNoUnit; empty for
   // stages 1 and 2. A bucket then holds one unit, never split by size.
   // alignment: every slot starts at a multiple of it (elements; see [Note:
-  // aligned slots]). whole_parameters: [Note: whole parameters].
+  // aligned slots]). whole_parameters: [Note: whole parameters];
+  // param_costs: each parameter's update work, which balances its owners
+  // there (empty: its elements).
   GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel,
               const std::vector<int64_t>& param_units = {}, int64_t alignment = 1,
-              bool whole_parameters = false);
+              bool whole_parameters = false, const std::vector<double>& param_costs = {});
 
   int64_t world_size() const { return world_size_; }
   int64_t alignment() const { return alignment_; }
@@ -135,8 +145,10 @@ class GroupLayout {
 
  private:
   // Places the slots [first, end) of `bucket` (starting at its flat_offset)
-  // and sets its sizes: [Note: whole parameters].
-  void place_whole_parameters(Bucket& bucket, int64_t end);
+  // and sets its sizes: [Note: whole parameters]. rank_costs: the work each
+  // rank owns in the buckets placed so far, updated.
+  void place_whole_parameters(Bucket& bucket, int64_t end, const std::vector<double>& costs,
+                              std::vector<double>& rank_costs);
 
   int64_t world_size_;
   int64_t bucket_numel_;
@@ -154,12 +166,14 @@ class PartitionLayout {
  public:
   // group_alignments: one per group (elements), or empty for 1 everywhere.
   // group_whole_parameters: one per group ([Note: whole parameters]), or
-  // empty for none.
+  // empty for none; group_param_costs: one per group (GroupLayout's
+  // param_costs), or empty.
   PartitionLayout(const std::vector<std::vector<int64_t>>& group_param_numels, int64_t world_size,
                   int64_t bucket_numel,
                   const std::vector<std::vector<int64_t>>& group_param_units = {},
                   const std::vector<int64_t>& group_alignments = {},
-                  const std::vector<bool>& group_whole_parameters = {});
+                  const std::vector<bool>& group_whole_parameters = {},
+                  const std::vector<std::vector<double>>& group_param_costs = {});
 
   int64_t world_size() const { return world_size_; }
   const std::vector<GroupLayout>& groups() const { return groups_; }

@@ -66,6 +66,12 @@ class UpdateRule {
   // Whether each parameter must be updated whole by one rank ([Note:
   // elementwise rules on shards]).
   virtual bool whole_parameters(const nlohmann::json& /*hyperparameters*/) const { return false; }
+  // A whole-parameter rule's work on one parameter of this shape, in any
+  // unit shared by all its parameters: owners are balanced by it ([Note:
+  // whole parameters]). The number of elements unless a rule says better
+  // (Muon: Newton-Schulz's m * n * min(m, n)).
+  virtual double update_cost(const std::vector<int64_t>& sizes,
+                             const nlohmann::json& /*hyperparameters*/) const;
   // One step of the pieces that have a gradient this step, in offset order.
   virtual void update(const nlohmann::json& hyperparameters,
                       std::vector<ParameterShard>& shards) = 0;
