@@ -25,6 +25,7 @@ std::string group_key(size_t g, const char* name) {
 }  // namespace
 
 ShardState ZeroOptimizer::Impl::shard_state() const {
+  step_phase_.check_complete("state_dict()");
   ShardState state;
   state.emplace_back("meta_format_version", scalar_tensor(kFormatVersion));
   state.emplace_back("meta_world_size", scalar_tensor(groups_->shard().world_size()));
@@ -125,6 +126,7 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
     refresh_parameters_from_master();
   }
   gather_parameters();
+  step_phase_.restored();  // [Note: the step's phase]
 }
 
 // [Note: optimizer.state, this rank's part]

@@ -260,6 +260,9 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
     refresh_parameters_from_master();
   }
   gather_parameters();
+  if (with_state) {
+    step_phase_.restored();  // [Note: the step's phase]
+  }
   result.index = std::move(*reader).release_index();  // the reader's last use
   return result;
 }

@@ -13,6 +13,7 @@
 #include "loss_scaling.h"
 #include "parameter_index.h"
 #include "stage3_parts.h"
+#include "step_phase.h"
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/communicator.h"
 #include "zeroshard/error_agreement.h"
@@ -168,8 +169,9 @@ class ZeroOptimizer::Impl {
   // The ranks meet, the hyper-parameters are valid and the parameters are
   // where the shards are; returns what could not be re-attached ("" if all).
   std::string begin_step();
-  // The step's one flags all-reduce, and the errors every rank raises on it.
-  StepAgreement agree_on_step(const std::string& detached);
+  // The step's one flags all-reduce, and the errors every rank raises on it
+  // (refused: [Note: the step's phase]; detached: begin_step's).
+  StepAgreement agree_on_step(const std::string& refused, const std::string& detached);
   void skip_update();
   void end_step();
 
@@ -328,6 +330,7 @@ class ZeroOptimizer::Impl {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   c10::Device device_ = c10::Device(c10::kCPU);  // where parameters and state live
   LossScaling loss_scaling_;
+  StepPhase step_phase_;                 // [Note: the step's phase]
   bool hyperparameters_differ_ = false;  // what the last step's flags found
   int64_t model_forward_depth_ = 0;      // see model_forward_begin
 };

@@ -23,6 +23,7 @@ namespace zeroshard {
 void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
                                           const CheckpointSaveOptions& options) {
   check_groups_fixed();
+  step_phase_.check_complete("save_checkpoint()");
   if (!groups_->replica()) {
     save_checkpoint_shards(path, options);
     return;

@@ -39,26 +39,39 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  const std::string detached = begin_step();
-  finish_gradient_reduction();
-  const StepAgreement agreed = agree_on_step(detached);
-  if (!loss_scaling_.record_step(agreed.overflow)) {
-    if (options_.max_norm() > 0) {
-      clip_grad_norm(options_.max_norm());
+  // [Note: the step's phase]: an earlier incomplete step is refused on every
+  // rank by the agreement below.
+  const std::string refused = step_phase_.begin();
+  try {
+    const std::string detached = begin_step();
+    finish_gradient_reduction();
+    const StepAgreement agreed = agree_on_step(refused, detached);
+    if (!loss_scaling_.record_step(agreed.overflow)) {
+      if (options_.max_norm() > 0) {
+        clip_grad_norm(options_.max_norm());
+      }
+      step_phase_.start_update();
+      try {
+        update_shards(agreed.has_grad);
+      } catch (...) {
+        // Gathers launched before the failure are retired; a later gather
+        // (a checkpoint load) must launch every bucket again.
+        parameter_gathers_.forget();
+        throw;
+      }
+      gather_parameters();
+    } else {
+      skip_update();  // every rank saw the overflow: nothing is updated anywhere
     }
-    try {
-      update_shards(agreed.has_grad);
-    } catch (...) {
-      // Gathers launched before the failure are retired; a later gather
-      // (a checkpoint load) must launch every bucket again.
-      parameter_gathers_.forget();
-      throw;
-    }
-    gather_parameters();
-  } else {
-    skip_update();  // every rank saw the overflow: nothing is updated anywhere
+    end_step();
+  } catch (const c10::Error& e) {
+    step_phase_.failed(e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    step_phase_.failed(e.what());
+    throw;
   }
-  end_step();
+  step_phase_.end();
   return loss;
 }
 
@@ -78,14 +91,21 @@ std::string ZeroOptimizer::Impl::begin_step() {
   return reattach_parameters();
 }
 
-ZeroOptimizer::Impl::StepAgreement ZeroOptimizer::Impl::agree_on_step(const std::string& detached) {
+ZeroOptimizer::Impl::StepAgreement ZeroOptimizer::Impl::agree_on_step(const std::string& refused,
+                                                                      const std::string& detached) {
   StepAgreement agreed;
-  bool any_detached = false;
-  agreed.has_grad = global_grad_presence(&agreed.overflow, !detached.empty(), &any_detached);
+  bool any_refused = false;
+  agreed.has_grad =
+      global_grad_presence(&agreed.overflow, !(refused + detached).empty(), &any_refused);
+  if (any_refused) {
+    // Every rank saw the flag; the ranks whose state is incomplete say why.
+    const std::string incomplete = groups_->agree(refused, "incomplete_state");
+    TORCH_CHECK(incomplete.empty(), "zeroshard: step() refused ", incomplete);
+  }
   if (hyperparameters_differ_) {
     raise_hyperparameter_difference();  // every rank saw it; the gradients stay
   }
-  if (any_detached) {
+  if (any_refused) {
     // Every rank saw the flag; the names come from the ranks that have them.
     // Nothing is updated and the gradients stay for a retry.
     const std::string names = groups_->agree(detached, "detached_parameters");

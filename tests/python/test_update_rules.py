@@ -431,3 +431,62 @@ def _fail_on_one_rank(rank: int, world_size: int, stage: int) -> str:
 def test_a_rule_failing_on_one_rank_fails_the_step_on_every_rank(stage: int) -> None:
     for message in unwrap(run_ranks(2, _fail_on_one_rank, stage)):
         assert "failed" in message and "rank 1's update ran out of memory" in message, message
+
+
+# ---- after an incomplete step ([Note: the step's phase]) -----------------------------
+
+
+def _go_on_after_a_failed_update(rank: int, world_size: int, stage: int, path: str) -> dict:
+    def build() -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
+        model = make_model(seed=0)
+        module = {"module": model, **RELEASED} if stage == 3 else {}
+        return model, zeroshard.ZeroOptimizer(
+            model.parameters(), FailsOnRankOne, stage=stage, lr=1e-2, **module
+        )
+
+    reference_model, reference = build()
+    train(reference_model, reference, 2, rank, world_size)
+    model, optimizer = build()
+    train(model, optimizer, 1, rank, world_size)
+    optimizer.save_checkpoint(path)
+    FailsOnRankOne.armed = True
+    errors: dict[str, str] = {}
+    for what, call in (
+        ("failed step", lambda: train(model, optimizer, 1, rank, world_size, first_step=1)),
+        ("next step", lambda: train(model, optimizer, 1, rank, world_size, first_step=1)),
+        ("save", lambda: optimizer.save_checkpoint(path + ".after")),
+        ("state_dict", optimizer.state_dict),
+    ):
+        if what == "next step":
+            FailsOnRankOne.armed = False  # the rule would succeed now: the state would not
+        try:
+            call()
+            errors[what] = "no error"
+        except RuntimeError as error:
+            errors[what] = str(error)
+    optimizer.load_checkpoint(path)
+    train(model, optimizer, 1, rank, world_size, first_step=1)
+    with optimizer.gathered_parameters(), reference.gathered_parameters():
+        diff = max_abs_diff(snapshot(model), snapshot(reference_model))
+    return {"errors": errors, "diff": diff}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_after_a_step_that_failed_while_updating_only_a_load_goes_on(stage: int, tmp_path) -> None:
+    """A step that failed while updating left some shards stepped and others
+    not: training on, or saving that state, would be a silent wrong answer.
+    Every rank refuses the next step, a save and state_dict(), naming the
+    failure; a checkpoint load restores a state, and training goes on exactly
+    as a run that never failed."""
+    path = str(tmp_path / "before")
+    for rank, result in enumerate(unwrap(run_ranks(2, _go_on_after_a_failed_update, stage, path))):
+        errors = result["errors"]
+        print(f"stage {stage} rank {rank}: {errors}")
+        assert "rank 1's update ran out of memory" in errors["failed step"], errors
+        assert "step() refused" in errors["next step"], errors
+        assert "an earlier step() failed while updating" in errors["next step"], errors
+        assert "rank 1's update ran out of memory" in errors["next step"], errors
+        assert "save_checkpoint() refused" in errors["save"], errors
+        assert "state_dict() refused" in errors["state_dict"], errors
+        assert result["diff"] <= 1e-6, result["diff"]
+        assert not (tmp_path / "before.after").exists()
