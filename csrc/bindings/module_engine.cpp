@@ -126,6 +126,9 @@ void bind_engine(py::module_& m) {
       },
       py::arg("text"), py::arg("world_size"));
   m.def("load_deepspeed_config", &load_deepspeed_config, py::arg("path"), py::arg("world_size"));
+  m.def("uses_deepspeed_muon", &uses_deepspeed_muon, py::arg("name"), py::arg("dim"),
+        "Whether DeepSpeed's Muon gives an unmarked parameter of this name and number of "
+        "dimensions to its Muon half.");
   m.def("scheduled_lr", &scheduled_lr, py::arg("config"), py::arg("step"), py::arg("base_lr"),
         "The learning rate DeepSpeed's scheduler sets at last_batch_iteration `step`.");
 

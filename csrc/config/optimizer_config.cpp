@@ -2,8 +2,11 @@
 // would run, its hyper-parameters with DeepSpeed's defaults, and the LibTorch
 // options for it.
 #include "config_section.h"
+#include "zeroshard/builtin_rule.h"
 #include "zeroshard/deepspeed_config.h"
 #include "zeroshard/inner_optimizer.h"
+#include "zeroshard/muon_rule.h"
+#include "zeroshard/text.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/optim/adam.h>
@@ -214,6 +217,63 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
       .weight_decay(p.at("weight_decay").get<double>())
       .amsgrad(p.at("amsgrad").get<bool>());
   return options;
+}
+
+bool uses_deepspeed_muon(const std::string& name, int64_t dim) {
+  const std::string lowered = lowercase(name);
+  return dim >= 2 && lowered.find("embed") == std::string::npos &&
+         lowered.find("lm_head") == std::string::npos;
+}
+
+std::vector<torch::optim::OptimizerParamGroup> deepspeed_muon_groups(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+    const DeepSpeedConfig& config) {
+  TORCH_CHECK_VALUE(config.optimizer_type == "Muon",
+                    "deepspeed_muon_groups needs optimizer.type \"Muon\"; the config's is \"",
+                    config.optimizer_type, "\"");
+  const json& p = config.optimizer_params;
+  std::vector<at::Tensor> muon;
+  std::vector<at::Tensor> adam;
+  for (const auto& [name, param] : named_parameters) {
+    if (!uses_deepspeed_muon(name, param.dim())) {
+      adam.push_back(param);
+      continue;
+    }
+    TORCH_CHECK_VALUE(param.dim() == 2, "optimizer.type \"Muon\": ", name, " has shape ",
+                      param.sizes(),
+                      "; zeroshard orthogonalises 2-D parameters only (DeepSpeed reshapes others "
+                      "to a matrix). Give it to the Adam half: build the groups yourself with "
+                      "MuonOptions().rule_options() and builtin_rule_options(...)");
+    muon.push_back(param);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!muon.empty()) {
+    const json& h = p.at("muon");
+    const RuleOptions options = MuonOptions()
+                                    .lr(h.at("lr").get<double>())
+                                    .momentum(h.at("momentum").get<double>())
+                                    .weight_decay(h.at("weight_decay").get<double>())
+                                    .nesterov(true)
+                                    .adjust_lr_fn("original")
+                                    .rule_options();
+    groups.emplace_back(std::move(muon), std::make_unique<RuleOptions>(options));
+  }
+  if (!adam.empty()) {
+    const json& h = p.at("adam");
+    const auto betas =
+        std::make_tuple(h.at("betas")[0].get<double>(), h.at("betas")[1].get<double>());
+    const double lr = h.at("lr").get<double>();
+    const double eps = h.at("eps").get<double>();
+    const double weight_decay = h.at("weight_decay").get<double>();
+    const RuleOptions options =
+        p.at("adam_w_mode").get<bool>()
+            ? builtin_rule_options(
+                  torch::optim::AdamWOptions(lr).betas(betas).eps(eps).weight_decay(weight_decay))
+            : builtin_rule_options(
+                  torch::optim::AdamOptions(lr).betas(betas).eps(eps).weight_decay(weight_decay));
+    groups.emplace_back(std::move(adam), std::make_unique<RuleOptions>(options));
+  }
+  return groups;
 }
 
 }  // namespace zeroshard

@@ -76,6 +76,34 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
                                          zero_options_from_config(config), std::move(units));
 }
 
+std::unique_ptr<ZeroOptimizer> make_optimizer(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group, const DeepSpeedConfig& config,
+    std::vector<ParameterUnit> units) {
+  std::unique_ptr<ZeroOptimizer> optimizer;
+  if (config.optimizer_type != "Muon") {
+    std::vector<at::Tensor> params;
+    for (const auto& named : named_parameters) {
+      params.push_back(named.second);
+    }
+    optimizer = make_optimizer(std::move(params), process_group, config, std::move(units));
+  } else {
+    TORCH_CHECK_VALUE(process_group, "make_optimizer needs a process group; got a null one");
+    TORCH_CHECK_VALUE(config.shard_group_size <= 1,
+                      "optimizer.type \"Muon\" with zero_hpz_partition_size > 1: build the "
+                      "groups with deepspeed_muon_groups and the ZeroOptimizer with both "
+                      "process groups");
+    const std::vector<torch::optim::OptimizerParamGroup> groups =
+        deepspeed_muon_groups(named_parameters, config);
+    TORCH_CHECK_VALUE(!groups.empty(), "make_optimizer was given no parameters");
+    optimizer = std::make_unique<ZeroOptimizer>(groups, std::move(process_group), nullptr,
+                                                groups.front().options(),
+                                                zero_options_from_config(config), std::move(units));
+  }
+  optimizer->set_parameter_names(named_parameters);
+  return optimizer;
+}
+
 namespace {
 
 // This rank's collectives so far, the shard group's and (hybrid sharding)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard import _C
+
 # The keys each half takes from a group, as DeepSpeed's engine
 # (_MUON_HALF_KEYS, _ADAM_HALF_KEYS; ns_method picks a kernel, not a value).
 _MUON_KEYS = ("lr", "momentum", "weight_decay")
@@ -35,8 +37,7 @@ def uses_muon(name: str, param: torch.Tensor) -> bool:
     marked = getattr(param, "use_muon", None)
     if marked is not None:
         return bool(marked)
-    lowered = name.lower()
-    return param.dim() >= 2 and "embed" not in lowered and "lm_head" not in lowered
+    return _C.uses_deepspeed_muon(name, param.dim())
 
 
 def muon_param_groups(

@@ -2,6 +2,7 @@
 // several ranks (threads, Gloo): accumulation boundaries, the LR schedule and
 // the result of LibTorch's AdamW on the global batch.
 #include "zeroshard/engine.h"
+#include "zeroshard/update_rule.h"
 
 #include "rank_threads.h"
 
@@ -165,6 +166,93 @@ TEST(EngineTest, ZeroHpzPartitionSizeTrainsAsHybridSharding) {
               std::string::npos)
         << error;
   }
+}
+
+// DeepSpeed's "Muon" from C++: make_optimizer over named parameters splits
+// them as DeepSpeed does (the 2-D weight to Muon, the bias to its Adam) and
+// trains as those two rules in one process: the Muon half's MuonRule on the
+// weight (equal to torch.optim.Muon: test_muon.py), LibTorch's AdamW with the
+// Adam half's values on the bias.
+const char* kMuonConfig = R"({
+  "train_batch_size": 16, "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.005, "weight_decay": 0.01}},
+  "zero_optimization": {"stage": 2},
+  "gradient_clipping": 0.0,
+  "steps_per_print": 2
+})";
+
+TEST(EngineTest, DeepSpeedMuonOverNamedParametersTrainsAsItsTwoRulesInOneProcess) {
+  constexpr int kWorld = 2;
+  const auto config = parse_deepspeed_config(nlohmann::json::parse(kMuonConfig), kWorld);
+  auto reference = MakeModel();
+  const auto groups = deepspeed_muon_groups(reference->named_parameters().pairs(), config);
+  ASSERT_EQ(groups.size(), 2u);
+  ASSERT_EQ(groups[0].params().size(), 1u);
+  ASSERT_EQ(groups[1].params().size(), 1u);
+  EXPECT_TRUE(groups[0].params()[0].is_same(reference->weight));
+  EXPECT_TRUE(groups[1].params()[0].is_same(reference->bias));
+  const auto& muon = static_cast<const RuleOptions&>(groups[0].options());
+  EXPECT_EQ(muon.rule()->name(), "torch.optim.Muon");
+  EXPECT_EQ(muon.hyperparameters().at("adjust_lr_fn"), "original");
+  EXPECT_TRUE(muon.hyperparameters().at("nesterov").get<bool>());
+  EXPECT_DOUBLE_EQ(muon.hyperparameters().at("lr").get<double>(), 0.02);
+  EXPECT_EQ(static_cast<const RuleOptions&>(groups[1].options()).rule()->name(),
+            "torch.optim.AdamW");
+
+  torch::optim::AdamW bias_optimizer(
+      {reference->bias},
+      torch::optim::AdamWOptions(0.005).betas({0.9, 0.95}).eps(1e-10).weight_decay(0.01));
+  at::Tensor momentum = at::zeros_like(reference->weight);
+  for (int step = 0; step < kSteps; ++step) {
+    bias_optimizer.zero_grad();
+    reference->weight.mutable_grad() = at::Tensor();
+    for (int micro = 0; micro < kAccumulation; ++micro) {
+      auto [x, y] = Batch(step, micro);
+      ((reference->forward(x) - y).pow(2).mean() / kAccumulation).backward();
+    }
+    std::vector<ParameterShard> pieces(1);
+    pieces[0].sizes = reference->weight.sizes().vec();
+    pieces[0].step = step + 1;
+    pieces[0].param = reference->weight.detach().view({-1});
+    pieces[0].grad = reference->weight.grad().reshape({-1});
+    pieces[0].states = {momentum.view({-1})};
+    at::NoGradGuard no_grad;
+    muon.rule()->update(muon.hyperparameters(), pieces);
+    bias_optimizer.step();
+  }
+
+  std::mutex mutex;
+  std::vector<EngineRun> runs(kWorld);
+  const auto errors = RunRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto model = MakeModel();
+    auto optimizer = make_optimizer(model->named_parameters().pairs(), pg, config);
+    EXPECT_EQ(optimizer->param_groups().size(), 2u);
+    Engine engine(*optimizer, config);
+    EngineRun run = TrainEngineRank(rank, kWorld, model, engine);
+    std::lock_guard<std::mutex> lock(mutex);
+    runs[rank] = std::move(run);
+  });
+  const std::vector<at::Tensor> expected = reference->parameters();
+  EXPECT_GT((expected[0] - MakeModel()->weight).abs().max().item<double>(), 1e-3);  // it trained
+  for (int rank = 0; rank < kWorld; ++rank) {
+    ASSERT_EQ(errors[rank], "") << "rank " << rank;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_LE((runs[rank].params[i] - expected[i]).abs().max().item<double>(), 1e-6)
+          << "rank " << rank << " parameter " << i;
+    }
+  }
+  // A parameter DeepSpeed's rule picks that is not a matrix is refused, named.
+  try {
+    deepspeed_muon_groups({{"blocks.0.conv.weight", at::zeros({2, 2, 2})}}, config);
+    ADD_FAILURE() << "a 3-D parameter was accepted";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("blocks.0.conv.weight has shape [2, 2, 2]"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_FALSE(uses_deepspeed_muon("model.embed_tokens.weight", 2));
+  EXPECT_FALSE(uses_deepspeed_muon("LM_HEAD.weight", 2));
+  EXPECT_TRUE(uses_deepspeed_muon("layers.0.mlp.weight", 2));
 }
 
 #endif  // ZEROSHARD_WITH_GLOO

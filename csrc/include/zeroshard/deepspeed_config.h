@@ -197,6 +197,22 @@ double scheduled_lr(const DeepSpeedConfig& config, int64_t step, double base_lr)
 std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
     const DeepSpeedConfig& config);
 
+// Whether DeepSpeed's Muon gives a parameter of this name and number of
+// dimensions to its Muon half when no use_muon marks it: two or more
+// dimensions and a name holding neither "embed" nor "lm_head" ([Note:
+// DeepSpeed's Muon]).
+bool uses_deepspeed_muon(const std::string& name, int64_t dim);
+
+// optimizer.type "Muon" as DeepSpeed runs it, over named parameters
+// (module->named_parameters().pairs()): a Muon group (MuonOptions, nesterov,
+// the "original" lr adjustment) of those uses_deepspeed_muon picks and an
+// Adam group (AdamW, or Adam with adam_w_mode false) of the rest, both
+// RuleOptions, either left out when empty. Throws naming a picked
+// parameter that is not a matrix.
+std::vector<torch::optim::OptimizerParamGroup> deepspeed_muon_groups(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+    const DeepSpeedConfig& config);
+
 const char* lr_schedule_name(LrScheduleType type);
 
 }  // namespace zeroshard

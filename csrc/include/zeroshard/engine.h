@@ -83,6 +83,13 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
     std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, const DeepSpeedConfig& config,
     std::vector<ParameterUnit> units = {});
+// Over named parameters (module->named_parameters().pairs()), which also name
+// them in checkpoints: as above, and optimizer.type "Muon" as DeepSpeed runs
+// it, a Muon group and an Adam group (deepspeed_muon_groups).
+std::unique_ptr<ZeroOptimizer> make_optimizer(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+    c10::intrusive_ptr<c10d::ProcessGroup> process_group, const DeepSpeedConfig& config,
+    std::vector<ParameterUnit> units = {});
 // The ZeroOptions a config describes (also used by the Python layer).
 ZeroOptions zero_options_from_config(const DeepSpeedConfig& config);
 
