@@ -70,7 +70,7 @@ void bind_estimator(py::module_& m) {
          int64_t pipeline_parallel_size, double activation_bytes, double reduce_bucket_size,
          int64_t max_buckets_in_flight, double prefetch_bucket_size, bool host_device,
          double max_live_parameters, bool reduce_in_fp32, bool swap_gradients,
-         int64_t optimizer_states) {
+         double optimizer_states) {
         return estimate_dict(zeroshard::estimate_memory(
             stage, estimate_options(num_params, largest_unit_params, world_size, ranks_per_node,
                                     precision, optimizer, offload_optimizer, offload_param,

@@ -41,6 +41,20 @@ class PythonUpdateRule : public UpdateRule {
     py::gil_scoped_acquire gil;
     return call("whole_parameters", hyperparameters.dump()).cast<bool>();
   }
+  std::vector<ParameterStateSpec> parameter_states(
+      const std::vector<int64_t>& sizes, const nlohmann::json& hyperparameters) const override {
+    py::gil_scoped_acquire gil;
+    // Optional in Python: a class that does not define it keeps none.
+    if (!py::get_override(static_cast<const UpdateRule*>(this), "parameter_states")) {
+      return {};
+    }
+    std::vector<ParameterStateSpec> out;
+    for (const auto& item : call("parameter_states", sizes, hyperparameters.dump())) {
+      const auto pair = item.cast<std::pair<std::string, std::vector<int64_t>>>();
+      out.push_back({pair.first, pair.second});
+    }
+    return out;
+  }
   double update_cost(const std::vector<int64_t>& sizes,
                      const nlohmann::json& hyperparameters) const override {
     py::gil_scoped_acquire gil;
@@ -98,7 +112,8 @@ void bind_update_rules(py::module_& m) {
       .def_readonly("step", &ParameterShard::step)
       .def_readonly("param", &ParameterShard::param)
       .def_readonly("grad", &ParameterShard::grad)
-      .def_readonly("states", &ParameterShard::states);
+      .def_readonly("states", &ParameterShard::states)
+      .def_readonly("parameter_states", &ParameterShard::parameter_states);
   py::class_<UpdateRule, PythonUpdateRule, std::shared_ptr<UpdateRule>>(
       m, "UpdateRule",
       "An elementwise update rule run on this rank's pieces of the parameters "
@@ -106,7 +121,9 @@ void bind_update_rules(py::module_& m) {
       "validate(hyperparameters_json), check_parameter(sizes, hyperparameters_json), "
       "whole_parameters(hyperparameters_json) and update(hyperparameters_json, pieces); "
       "optionally update_cost(sizes, hyperparameters_json), a whole-parameter rule's work "
-      "on one parameter (default: its elements), which balances the owners.")
+      "on one parameter (default: its elements), which balances the owners, and "
+      "parameter_states(sizes, hyperparameters_json), [(name, sizes)] of the states it keeps "
+      "in shapes of their own (default: none).")
       .def(py::init<>())
       // A C++ rule's own answers (MuonRule), for the Python layer and the
       // estimator; a Python subclass's methods take their place.

@@ -129,11 +129,16 @@ void merge_manifests(json& index, const std::vector<std::string>& manifests) {
   // two expert-parallel ranks both called "experts.0...") would make the
   // checkpoint unreadable.
   for (const auto& param : index["params"]) {
-    int64_t numel = 1;
-    for (const auto& extent : param["shape"]) {
-      numel *= extent.get<int64_t>();
-    }
     for (const auto& [state, pieces] : param["states"].items()) {
+      // A state of a shape of its own ([Note: parameter states] in
+      // update_rule.h), or one element per parameter element.
+      const json& shape = param.contains("state_shapes") && param["state_shapes"].contains(state)
+                              ? param["state_shapes"][state]
+                              : param["shape"];
+      int64_t numel = 1;
+      for (const auto& extent : shape) {
+        numel *= extent.get<int64_t>();
+      }
       int64_t stored = 0;
       for (const auto& piece : pieces) {
         stored += piece["numel"].get<int64_t>();

@@ -87,13 +87,11 @@ int64_t state_count(StateKind optimizer) {
 }
 
 StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer) {
-  return state_bytes_per_param(precision, state_count(optimizer));
+  return state_bytes_per_param(precision, static_cast<double>(state_count(optimizer)));
 }
 
-StateBytes state_bytes_per_param(PrecisionRecipe precision, int64_t state_count) {
-  TORCH_CHECK_VALUE(state_count >= 0, "an optimizer keeps 0 or more states per element; got ",
-                    state_count);
-  const auto states = static_cast<double>(state_count);
+StateBytes state_bytes_per_param(PrecisionRecipe precision, double states) {
+  TORCH_CHECK_VALUE(states >= 0, "an optimizer keeps 0 or more states per element; got ", states);
   StateBytes bytes;
   if (precision == PrecisionRecipe::kMixed16) {
     bytes.param = 2;

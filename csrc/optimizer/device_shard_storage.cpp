@@ -107,6 +107,9 @@ std::vector<ShardStorage::RulePiece> DeviceShardStorage::rule_pieces(
       piece.parameter.param_offset = segment->param_offset;
       piece.parameter.sizes = param_shapes_[g][segment->param_index];
       piece.parameter.step = run.step;
+      if (parameter_states_ != nullptr) {
+        piece.parameter.parameter_states = parameter_states_->views(g, segment->param_index);
+      }
       piece.shard_offset = segment->shard_offset;
       piece.numel = segment->numel;
       pieces.push_back(std::move(piece));

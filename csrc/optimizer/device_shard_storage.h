@@ -8,6 +8,7 @@
 #include "zeroshard/update_rule.h"
 
 #include "group_buffers.h"
+#include "parameter_states.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -49,6 +50,8 @@ class DeviceShardStorage final : public ShardStorage {
   // padding between them is left alone): what an UpdateRule updates, on
   // this tier and on the offloaded one.
   std::vector<RulePiece> rule_pieces(size_t group, const std::vector<UpdateRun>& runs) const;
+  // Where the pieces' parameter states are (the optimizer's; outlives this).
+  void set_parameter_states(const ParameterStates* states) { parameter_states_ = states; }
 
  private:
   // An UpdateRule's step: the runs' parameter pieces, each with its states.
@@ -61,6 +64,7 @@ class DeviceShardStorage final : public ShardStorage {
   c10::Device device_;
   InnerOptimizerKind kind_;
   std::vector<std::vector<std::vector<int64_t>>> param_shapes_;
+  const ParameterStates* parameter_states_ = nullptr;
 };
 
 }  // namespace zeroshard

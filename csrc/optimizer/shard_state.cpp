@@ -15,6 +15,8 @@ namespace zeroshard {
 namespace {
 
 constexpr int64_t kFormatVersion = 1;
+// A group's parameter states, in one tensor ([Note: parameter states]).
+constexpr const char* kParameterStatesKey = "parameter_states";
 
 at::Tensor scalar_tensor(int64_t value) { return at::tensor({value}, at::kLong); }
 
@@ -46,6 +48,9 @@ ShardState ZeroOptimizer::Impl::shard_state() const {
       }
     }
     state.emplace_back(group_key(g, "steps"), at::tensor(buffers_[g].steps, at::kLong));
+    if (parameter_states_.flat(g).defined()) {  // [Note: parameter states]
+      state.emplace_back(group_key(g, kParameterStatesKey), parameter_states_.flat(g).clone());
+    }
   }
   return state;
 }
@@ -94,6 +99,19 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
                             layout_->group(g).shard_numel());
         }
       }
+      // The same layout owns the same whole parameters: the same parameter
+      // states, in one tensor per group.
+      const at::Tensor& own = parameter_states_.flat(g);
+      auto parameter_states = by_key.find(group_key(g, kParameterStatesKey));
+      TORCH_CHECK_VALUE((parameter_states == by_key.end() && !own.defined()) ||
+                            (parameter_states != by_key.end() && own.defined() &&
+                             parameter_states->second.numel() == own.numel()),
+                        "state '", group_key(g, kParameterStatesKey), "' is ",
+                        parameter_states == by_key.end()
+                            ? std::string("missing")
+                            : std::to_string(parameter_states->second.numel()) + " elements",
+                        "; this optimizer's update rule keeps ", own.defined() ? own.numel() : 0,
+                        " elements of parameter states on this rank");
       const std::string master = group_key(g, optimizer_state_name(OptimizerStateName::kMaster));
       TORCH_CHECK_VALUE(by_key.count(master) == 1, "state '", master, "' is missing");
       auto it = by_key.find(group_key(g, "steps"));
@@ -117,6 +135,9 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
       if (name != OptimizerStateName::kMaster && it != by_key.end()) {
         storage().write(g, name, 0, it->second);
       }
+    }
+    if (parameter_states_.flat(g).defined()) {
+      parameter_states_.flat(g).copy_(by_key.at(group_key(g, kParameterStatesKey)));
     }
     at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
     const auto* data = steps.data_ptr<int64_t>();
@@ -178,6 +199,16 @@ ZeroOptimizer::ParameterStatePart ZeroOptimizer::Impl::parameter_state(size_t gr
         part.numel == 0 ? at::empty({0}, where)
                         : storage().read(group, name, segment->shard_offset, part.numel, where));
   }
+  // [Note: parameter states]: the owner's in their shapes, empty elsewhere.
+  const std::vector<at::Tensor> own = parameter_states_.views(group, index);
+  const std::vector<ParameterStateSpec> specs =
+      ParameterStates::specs(param_groups_[group], static_cast<size_t>(index));
+  for (size_t k = 0; k < specs.size(); ++k) {
+    part.states.emplace_back(specs[k].name,
+                             k < own.size()
+                                 ? own[k].clone()
+                                 : at::empty({0}, fp32_options().device(storage().home_device())));
+  }
   return part;
 }
 
@@ -193,6 +224,18 @@ void ZeroOptimizer::Impl::write_parameter_state(size_t group, int64_t index,
   TORCH_CHECK_VALUE(known, "cannot write optimizer state '", name, "' of parameter ",
                     param_index_.name(group, static_cast<size_t>(index)), ": it holds ",
                     names.empty() ? std::string("no state yet (before its first step)") : names);
+  at::NoGradGuard no_grad;
+  // [Note: parameter states]: the owner's, whole, in their shape.
+  const std::vector<ParameterStates::Entry>& entries = parameter_states_.entries(group, index);
+  for (size_t k = 0; k < entries.size(); ++k) {
+    if (name == optimizer_state_name(entries[k].name)) {
+      TORCH_CHECK_VALUE(values.numel() == entries[k].numel, "optimizer state '", name,
+                        "' of parameter ", param_index_.name(group, static_cast<size_t>(index)),
+                        " has shape ", entries[k].sizes, ", got ", values.numel(), " values");
+      parameter_states_.views(group, index)[k].copy_(values.detach().reshape(entries[k].sizes));
+      return;
+    }
+  }
   TORCH_CHECK_VALUE(values.numel() == part.numel, "optimizer state '", name, "' of parameter ",
                     param_index_.name(group, static_cast<size_t>(index)), ": this rank owns ",
                     part.numel,
@@ -202,7 +245,6 @@ void ZeroOptimizer::Impl::write_parameter_state(size_t group, int64_t index,
     return;
   }
   const ShardSegment* segment = owned_segment(buffers_[group].segments, index);
-  at::NoGradGuard no_grad;
   for (OptimizerStateName state : all_optimizer_states()) {
     if (name == optimizer_state_name(state)) {
       storage().write(group, state, segment->shard_offset, values.detach().reshape({-1}));
@@ -238,6 +280,7 @@ void ZeroOptimizer::Impl::load(torch::serialize::InputArchive& archive) {
       read(group_key(g, optimizer_state_name(state)));
     }
     read(group_key(g, "steps"));
+    read(group_key(g, kParameterStatesKey));
   }
   load_shard_state(state);
   for (size_t g = 0; g < param_groups_.size(); ++g) {

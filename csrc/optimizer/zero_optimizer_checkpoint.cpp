@@ -114,6 +114,15 @@ json ZeroOptimizer::Impl::checkpoint_index_skeleton(const CheckpointSaveOptions&
            {"rule", update_rule_name(inner_kind_, param_groups_[g].options())},
            {"step", buffers_[g].steps[i]},
            {"states", json::object()}});
+      // The shapes of parameter states, which are not the parameter's.
+      const std::vector<ParameterStateSpec> specs = ParameterStates::specs(param_groups_[g], i);
+      if (!specs.empty()) {
+        json shapes = json::object();
+        for (const ParameterStateSpec& spec : specs) {
+          shapes[spec.name] = spec.sizes;
+        }
+        index["params"].back()["state_shapes"] = std::move(shapes);
+      }
     }
     index["groups"].push_back(std::move(group));
   }
@@ -155,8 +164,9 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   struct Source {
     size_t group;
     OptimizerStateName state;
-    int64_t shard_offset;
+    int64_t shard_offset;  // in the shard, or in the group's parameter states
     int64_t numel;
+    bool parameter_state = false;  // [Note: parameter states]
   };
   std::vector<Source> sources;
   std::vector<checkpoint_detail::PieceSpec> pieces;
@@ -184,6 +194,13 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
               offset += run.numel();
             }
           }
+          // Whole parameters' states of their own shapes, as pieces of their
+          // own flattening.
+          for (const ParameterStates::Entry& entry : parameter_states_.entries(g, i)) {
+            sources.push_back({g, entry.name, entry.offset, entry.numel, true});
+            pieces.push_back(
+                {parameter_name(g, i), optimizer_state_name(entry.name), 0, entry.numel, 0, 0});
+          }
         }
       }
     } catch (const std::exception& e) {
@@ -194,7 +211,8 @@ void ZeroOptimizer::Impl::save_checkpoint_shards(const std::string& path_in,
   at::NoGradGuard no_grad;
   auto read_source = [this, &sources](size_t i) {
     const Source& s = sources[i];
-    return read_state(s.group, s.state, s.shard_offset, s.numel);
+    return s.parameter_state ? parameter_states_.flat(s.group).narrow(0, s.shard_offset, s.numel)
+                             : read_state(s.group, s.state, s.shard_offset, s.numel);
   };
 
   if (!options.async_save()) {

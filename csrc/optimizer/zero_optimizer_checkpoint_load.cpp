@@ -92,6 +92,7 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   std::unique_ptr<CheckpointReader> reader;
   std::vector<std::vector<at::Tensor>> loaded(buffers_.size());
   std::vector<std::vector<int64_t>> steps(buffers_.size());
+  std::vector<at::Tensor> loaded_parameter_states(buffers_.size());
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> saved_options;
   bool same_grouping = false;  // the saved groups are this optimizer's
   int64_t index_crc = 0;
@@ -180,6 +181,27 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
         }
       }
       steps[g] = reader->saved_steps(g);
+      // Whole parameters' states of their own shapes ([Note: parameter
+      // states]): each entry as a segment of its own flattening.
+      if (with_state && parameter_states_.flat(g).defined()) {
+        at::Tensor values = at::zeros({parameter_states_.flat(g).numel()}, at::kFloat);
+        float* target = values.data_ptr<float>();
+        for (const auto& [param, entries] : parameter_states_.group_entries(g)) {
+          for (const ParameterStates::Entry& entry : entries) {
+            ShardSegment segment;
+            segment.param_index = param;
+            segment.shard_offset = entry.offset;
+            segment.numel = entry.numel;
+            reader->visit_state(
+                g, {segment}, entry.name,
+                [&](int64_t offset, const float* source, int64_t length) {
+                  std::memcpy(target + offset, source, static_cast<size_t>(length) * sizeof(float));
+                },
+                [](int64_t, int64_t) {});  // never stepped: already zeros
+          }
+        }
+        loaded_parameter_states[g] = std::move(values);
+      }
     }
     for (const auto& [name, record] : index.at("replicated_files").items()) {
       result.replicated_files[name] = reader->read_verified_file(name, record);
@@ -252,6 +274,9 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
       }
     }
     buffers_[g].steps = steps[g];
+    if (loaded_parameter_states[g].defined()) {
+      parameter_states_.flat(g).copy_(loaded_parameter_states[g]);
+    }
   }
   for (size_t g = 0; g < saved_options.size(); ++g) {
     param_groups_[g].set_options(std::move(saved_options[g]));

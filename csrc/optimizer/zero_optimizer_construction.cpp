@@ -228,6 +228,13 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   }
   build_gradient_reduction();
   build_group_shards();
+  std::vector<std::vector<ShardSegment>> segments;
+  for (const GroupBuffers& shard : buffers_) {
+    segments.push_back(shard.segments);
+  }
+  parameter_states_ =
+      ParameterStates(param_groups_, segments, fp32_options().device(storage().home_device()));
+  device_storage_->set_parameter_states(&parameter_states_);
   gradients_->expect_current_gradients();  // the parameters as the shards left them
   if (gatherer_ && options_.check_collective_order() && groups_->shard().world_size() > 1) {
     // See [Note: Negotiated collectives].

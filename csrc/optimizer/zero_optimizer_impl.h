@@ -12,6 +12,7 @@
 #include "group_buffers.h"
 #include "loss_scaling.h"
 #include "parameter_index.h"
+#include "parameter_states.h"
 #include "stage3_parts.h"
 #include "step_phase.h"
 #include "zeroshard/checkpoint.h"
@@ -103,6 +104,7 @@ class ZeroOptimizer::Impl {
   void gradient_arrived(size_t group, int64_t index) { gradients_->gradient_arrived(group, index); }
   const at::Tensor& flat_parameters(size_t group) const;
   int64_t optimizer_state_bytes() const;
+  int64_t parameter_state_bytes(StateTier tier) const;
   int64_t device_model_state_bytes() const;
   int64_t host_model_state_bytes() const;
   const StatePlacement& placement() const { return *placement_; }
@@ -310,6 +312,9 @@ class ZeroOptimizer::Impl {
   // construction's first read of the master. storage() is whichever holds
   // them: [Note: one home for the shard's states] in shard_storage.h.
   std::unique_ptr<DeviceShardStorage> device_storage_;
+  // A whole-parameter rule's states of a shape of their own, on the tier of
+  // the shard's states ([Note: parameter states] in update_rule.h).
+  ParameterStates parameter_states_;
   ShardStorage& storage() const {
     return offloaded_ ? static_cast<ShardStorage&>(*offloaded_) : *device_storage_;
   }

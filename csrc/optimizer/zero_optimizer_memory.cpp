@@ -8,7 +8,14 @@
 namespace zeroshard {
 
 int64_t ZeroOptimizer::Impl::optimizer_state_bytes() const {
-  return storage().bytes(StateTier::kDevice) + storage().bytes(StateTier::kHost);
+  return storage().bytes(StateTier::kDevice) + storage().bytes(StateTier::kHost) +
+         parameter_states_.bytes();
+}
+
+int64_t ZeroOptimizer::Impl::parameter_state_bytes(StateTier tier) const {
+  // They live where the shard's states do ([Note: parameter states]).
+  const StateTier home = offloaded_ ? StateTier::kHost : StateTier::kDevice;
+  return tier == home ? parameter_states_.bytes() : 0;
 }
 
 int64_t ZeroOptimizer::Impl::device_model_state_bytes() const {
@@ -18,11 +25,11 @@ int64_t ZeroOptimizer::Impl::device_model_state_bytes() const {
       bytes += shard.param_shard.numel() * static_cast<int64_t>(shard.param_shard.element_size());
     }
   }
-  return bytes + storage().bytes(StateTier::kDevice);
+  return bytes + storage().bytes(StateTier::kDevice) + parameter_state_bytes(StateTier::kDevice);
 }
 
 int64_t ZeroOptimizer::Impl::host_model_state_bytes() const {
-  int64_t bytes = storage().bytes(StateTier::kHost);
+  int64_t bytes = storage().bytes(StateTier::kHost) + parameter_state_bytes(StateTier::kHost);
   if (param_swapper_) {
     bytes += param_swapper_->host_shard_bytes() + param_swapper_->ahead_bytes();
   }

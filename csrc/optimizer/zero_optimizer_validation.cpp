@@ -315,9 +315,18 @@ void ZeroOptimizer::Impl::check_rule_parameters() const {
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& options = static_cast<const RuleOptions&>(param_groups_[g].options());
     const auto& params = param_groups_[g].params();
+    const bool whole = options.rule()->whole_parameters(options.hyperparameters());
     for (size_t i = 0; i < params.size(); ++i) {
       try {
         options.rule()->check_parameter(params[i].sizes().vec(), options.hyperparameters());
+        // [Note: parameter states] are held by one owner: asked here, on
+        // every rank, for every parameter, not on the owner alone later.
+        const auto specs =
+            options.rule()->parameter_states(params[i].sizes().vec(), options.hyperparameters());
+        TORCH_CHECK_VALUE(specs.empty() || whole,
+                          "it keeps states of a shape of their own (parameter_states), which "
+                          "needs each parameter whole on one rank: its whole_parameters() must "
+                          "return true");
       } catch (const c10::Error& e) {
         TORCH_CHECK_VALUE(false, "update rule ", options.rule()->name(),
                           " cannot update parameter ", i, " of group ", g, " (shape ",

@@ -119,8 +119,11 @@ class _PieceReader:
         return self.state(param, "master")
 
     def state(self, param: dict[str, Any], state: str) -> torch.Tensor:
-        """One whole fp32 state (``master``, ``exp_avg``, ...) of one parameter."""
-        numel = math.prod(param["shape"])
+        """One whole fp32 state (``master``, ``exp_avg``, ...) of one parameter, in
+        its shape: the parameter's, or a state's own (Adafactor's ``row_var``;
+        [Note: parameter states] in update_rule.h)."""
+        shape = param.get("state_shapes", {}).get(state, param["shape"])
+        numel = math.prod(shape)
         full = torch.empty(numel, dtype=torch.float32)
         view = full.numpy().view("uint8")
         covered = 0
@@ -153,7 +156,7 @@ class _PieceReader:
                 f"checkpoint {self.path} covers {covered} of the {numel} elements of "
                 f"{state} of parameter {param['name']!r}"
             )
-        return full.view(param["shape"])
+        return full.view(shape)
 
 
 def read_states(

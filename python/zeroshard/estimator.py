@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -157,7 +158,9 @@ def estimate(
     ``"adam_amsgrad"`` (three), ``"sgd_momentum"`` (one) or ``"sgd"``, or an
     elementwise ``torch.optim`` class as ``ZeroOptimizer`` takes it, with its
     default hyper-parameters (``torch.optim.Adagrad``: one state; NAdam:
-    three, its per-parameter ``mu_product`` stored per element). Offload devices: ``"none"``,
+    three, its per-parameter ``mu_product`` stored per element;
+    ``torch.optim.Adafactor``: its factored states from ``model``'s shapes,
+    which it then needs). Offload devices: ``"none"``,
     ``"cpu"``, ``"nvme"``; parameter offload applies to stage 3 only and is
     ignored (reported as not applicable) below it. ``offload_ratio`` and
     ``sub_group_size`` are those of optimizer offload (``cpu_bytes_per_node``
@@ -203,7 +206,23 @@ def estimate(
         rule = make_rule(rule_class(optimizer))
         defaults = {k: v for k, v in class_defaults(optimizer).items() if v is not _EMPTY}
         defaults.setdefault("lr", 1e-3)  # a class without a default lr: any value counts states
-        optimizer_states = len(rule.state_names(json.dumps(defaults)))
+        hyperparameters = json.dumps(defaults)
+        optimizer_states = len(rule.state_names(hyperparameters))
+        factored = getattr(rule, "parameter_states", None)
+        if factored is not None and factored([2, 3], hyperparameters):
+            # States of shapes of their own (Adafactor's [m, 1] and [1, n]):
+            # per element, what the model's shapes make of them.
+            if model is None:
+                raise ValueError(
+                    f"optimizer {optimizer.__name__} keeps states whose size depends on each "
+                    "parameter's shape; give model= to count them"
+                )
+            kept = sum(
+                math.prod(sizes)
+                for p in model.parameters()
+                for _, sizes in factored(list(p.shape), hyperparameters)
+            )
+            optimizer_states += kept / max(sum(p.numel() for p in model.parameters()), 1)
         optimizer = "adamw"  # the recipe's other bytes; its states are counted above
     largest = float(largest_unit_params or 0.0)
     rows = []

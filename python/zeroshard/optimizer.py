@@ -66,13 +66,14 @@ class ZeroOptimizer(
             state is per element (``zeroshard.update_rules``): elementwise
             ones (``torch.optim.RAdam``, ``Adagrad``, ``RMSprop``, ``NAdam``,
             a third-party Lion) run on this rank's pieces of the parameters,
-            others (``torch.optim.Muon``) on whole parameters, each owned by
-            one rank. ``torch.optim.Adam``, ``AdamW`` and ``SGD`` with
-            hyper-parameters the kernels take run as the built-in names.
-            Classes with factored state (Adafactor), a closure (LBFGS), state
+            others (``torch.optim.Muon``; ``torch.optim.Adafactor``, whose
+            factored states the owner keeps in their shapes) on whole
+            parameters, each owned by one rank. ``torch.optim.Adam``,
+            ``AdamW`` and ``SGD`` with hyper-parameters the kernels take run
+            as the built-in names. Classes with a closure (LBFGS), state
             outside ``optimizer.state[p]`` or coupled parameters are refused,
             naming them. A parameter group may name its own with an
-            ``"optimizer"`` key. Not with ``offload_optimizer``.
+            ``"optimizer"`` key. With ``offload_optimizer``, "cpu" only.
         <the scalar ZeRO options: _document_scalar_options fills them in>
         process_group: the group to shard over; the default group when None
             (``torch.distributed.init_process_group`` must have been called).

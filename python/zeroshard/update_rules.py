@@ -1,5 +1,5 @@
-"""Any ``torch.optim`` class whose state is per element as the update rule of a
-``ZeroOptimizer``.
+"""Any ``torch.optim`` class whose state is per element, or per whole parameter
+in shapes of its own (Adafactor), as the update rule of a ``ZeroOptimizer``.
 
 :class:`TorchOptimizerRule` runs a ``torch.optim.Optimizer`` subclass on this
 rank's pieces of the parameters: each piece of the fp32 master shard is one
@@ -8,7 +8,11 @@ of the core's flat buffers (``_C.UpdateRule``; ``update_rule.h``). An
 elementwise class (RAdam, Adagrad, RMSprop, NAdam, a third-party Lion) runs on
 any piece; any other (Muon: Newton-Schulz on the whole matrix) runs on whole
 parameters, which its group's layout gives one rank each ([Note: whole
-parameters] in partition_layout.h).
+parameters] in partition_layout.h). A class whose states have shapes of
+their own (Adafactor's row and column statistics of a matrix) is factored:
+the owner keeps them in those shapes, found per number of dimensions by one
+step on a parameter of distinct sizes ([Note: parameter states] in
+update_rule.h).
 
 [Note: a torch.optim class on pieces]
 torch.optim keeps its state per parameter object and creates it on the
@@ -42,10 +46,11 @@ from zeroshard import _C
 
 # What a refusal says zeroshard runs.
 _SUPPORTED = (
-    "zeroshard runs torch.optim classes whose state is per element: elementwise ones (Adam, "
+    "zeroshard runs torch.optim classes whose state is per element or, for whole "
+    "parameters, of the parameter's shape with some dimensions 1: elementwise ones (Adam, "
     "AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, a Lion) on "
-    "pieces of parameters, others (Muon) on whole parameters, one rank each; factored states "
-    "(Adafactor) and closures (LBFGS) are not supported yet"
+    "pieces of parameters, others (Muon; Adafactor, its states in their own shapes) on whole "
+    "parameters, one rank each; closures (LBFGS) are not supported yet"
 )
 
 # The built-in rules' classes: run by the core's C++ kernels (the same values)
@@ -152,10 +157,19 @@ def _state_kind(value: Any, param: torch.Tensor) -> str:
 class _Layout(NamedTuple):
     """What a class keeps and how it runs, for one set of hyper-parameters."""
 
-    names: list[str]  # its states, in the core's order
+    names: list[str]  # its states per element, in the core's order
     scalars: dict[str, torch.dtype]  # those that are per-parameter scalars
     step_dtype: torch.dtype | None  # its "step" (None: it keeps none)
     whole: bool  # it needs each parameter whole ([Note: whole parameters])
+    # It keeps states of shapes of their own (Adafactor's row and column
+    # statistics): then all its tensor states are parameter states, held by
+    # the owner in their shapes ([Note: parameter states] in update_rule.h).
+    factored: bool = False
+
+
+# Distinct sizes >= 2 per dimension, so that each dimension of a state is told
+# apart as the parameter's own or 1.
+_SIGNATURE = (2, 3, 5, 7, 11, 13)
 
 
 class TorchOptimizerRule(_C.UpdateRule):
@@ -171,6 +185,9 @@ class TorchOptimizerRule(_C.UpdateRule):
         # does not re-probe.
         self._layouts: dict[str, _Layout] = {}
         self._checked_shapes: set[tuple[str, int]] = set()
+        # A factored class's parameter states per number of dimensions: each
+        # state's name and, per dimension, whether it keeps the parameter's.
+        self._patterns: dict[tuple[str, int], list[tuple[str, list[bool]]]] = {}
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
@@ -205,6 +222,8 @@ class TorchOptimizerRule(_C.UpdateRule):
         values = json.loads(hyperparameters)
         if not self._layout(values).whole:
             return  # an elementwise class runs on flat pieces of any shape
+        if self._layout(values).factored:
+            self._pattern(values, len(sizes))  # its states' shapes, refused here if unfit
         key = (_layout_key(values), len(sizes))
         if key in self._checked_shapes:
             return
@@ -215,9 +234,55 @@ class TorchOptimizerRule(_C.UpdateRule):
             raise ValueError(f"{type(error).__name__}: {error}") from error
         self._checked_shapes.add(key)
 
+    def parameter_states(
+        self, sizes: list[int], hyperparameters: str
+    ) -> list[tuple[str, list[int]]]:
+        """A factored class's states of a parameter of ``sizes``, in their shapes
+        ([Note: parameter states] in update_rule.h); none for any other."""
+        values = json.loads(hyperparameters)
+        if not self._layout(values).factored:
+            return []
+        return [
+            (name, [size if kept else 1 for size, kept in zip(sizes, keep, strict=True)])
+            for name, keep in self._pattern(values, len(sizes))
+        ]
+
+    def _pattern(self, values: dict[str, Any], ndim: int) -> list[tuple[str, list[bool]]]:
+        """Which dimensions of a parameter of ``ndim`` dimensions each state of a
+        factored class keeps: found by one step on a parameter of distinct
+        sizes."""
+        key = (_layout_key(values), ndim)
+        pattern = self._patterns.get(key)
+        if pattern is not None:
+            return pattern
+        if ndim > len(_SIGNATURE):
+            raise ValueError(f"optimizer {self._name}: parameters of {ndim} dimensions")
+        shape = list(_SIGNATURE[:ndim])
+        params, optimizer = _run(self._cls, [torch.zeros(shape)], _probe_values(values), steps=1)
+        pattern = []
+        for name, value in optimizer.state[params[0]].items():
+            if name == "step":
+                continue
+            sizes = list(value.shape) if isinstance(value, torch.Tensor) else None
+            ok = sizes is not None and len(sizes) == ndim
+            ok = ok and all(d in (size, 1) for d, size in zip(sizes, shape, strict=True))
+            if not ok:
+                got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"optimizer {self._name} keeps state {name!r} as {got} for a {shape} "
+                    "parameter: zeroshard keeps a factored class's states in the parameter's "
+                    "shape with some dimensions 1 (Adafactor's [m, 1] and [1, n]); " + _SUPPORTED
+                )
+            pattern.append((name, [d == size for d, size in zip(sizes, shape, strict=True)]))
+        self._patterns[key] = pattern
+        return pattern
+
     def update(self, hyperparameters: str, pieces: Sequence[Any]) -> None:
         values = json.loads(hyperparameters)
         layout = self._layout(values)
+        if layout.factored:
+            self._update_factored(values, layout, pieces)
+            return
 
         def shaped(t: torch.Tensor, piece: Any) -> torch.Tensor:
             return t.view(piece.sizes) if layout.whole else t
@@ -248,6 +313,34 @@ class TorchOptimizerRule(_C.UpdateRule):
                     stored.fill_(new.item())
                 elif new.data_ptr() != stored.data_ptr():
                     stored.copy_(new.reshape(-1))
+
+    def _update_factored(
+        self, values: dict[str, Any], layout: _Layout, pieces: Sequence[Any]
+    ) -> None:
+        """update() of a factored class: whole parameters, their states in their
+        shapes (the owner's views, updated in place)."""
+        params = []
+        for piece in pieces:
+            p = piece.param.view(piece.sizes)
+            p.grad = piece.grad.view(piece.sizes)
+            params.append(p)
+        optimizer = self._cls(params, **values)
+        names = [[n for n, _ in self._pattern(values, len(piece.sizes))] for piece in pieces]
+        for p, piece, own in zip(params, pieces, names, strict=True):
+            if piece.step == 1:
+                continue  # torch.optim creates the state on the first update
+            state = optimizer.state[p]
+            if layout.step_dtype is not None:
+                state["step"] = torch.tensor(float(piece.step - 1), dtype=layout.step_dtype)
+            for name, stored in zip(own, piece.parameter_states, strict=True):
+                state[name] = stored
+        optimizer.step()
+        for p, piece, own in zip(params, pieces, names, strict=True):
+            state = optimizer.state[p]
+            for name, stored in zip(own, piece.parameter_states, strict=True):
+                new = state[name]
+                if new.data_ptr() != stored.data_ptr():
+                    stored.copy_(new)
 
     def state_format(
         self, hyperparameters: dict[str, Any]
@@ -296,10 +389,17 @@ class TorchOptimizerRule(_C.UpdateRule):
         names: list[str] = []
         scalars: dict[str, torch.dtype] = {}
         step_dtype: torch.dtype | None = None
-        for key, value in whole_optimizer.state[whole[0]].items():
+        kept = whole_optimizer.state[whole[0]]
+        factored = not elementwise and any(
+            _state_kind(v, whole[0]) == "other" and isinstance(v, torch.Tensor) and v.dim() > 0
+            for v in kept.values()
+        )
+        for key, value in kept.items():
             kind = _state_kind(value, whole[0])
             if key == "step" and kind == "scalar":
                 step_dtype = value.dtype
+            elif factored and isinstance(value, torch.Tensor) and value.dim() > 0:
+                continue  # a parameter state: its shape is found per parameter (_pattern)
             elif kind == "element":
                 names.append(key)
             elif kind == "scalar" and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -310,11 +410,17 @@ class TorchOptimizerRule(_C.UpdateRule):
                 raise ValueError(
                     f"optimizer {self._name} keeps state {key!r} as {type(value).__name__}"
                     + (f" of shape {shape} for a [4, 6] parameter" if shape is not None else "")
-                    + ", neither an element per parameter element nor a 16- or 32-bit scalar; "
-                    "zeroshard stores states per element and cannot shard it (factored "
-                    "states such as Adafactor's are not supported yet); " + _SUPPORTED
+                    + ", neither an element per parameter element, a 16- or 32-bit scalar "
+                    "nor (for a class that needs whole parameters) a tensor of the "
+                    "parameter's dimensions; " + _SUPPORTED
                 )
-        layout = _Layout(names, scalars, step_dtype, whole=not elementwise)
+        if factored and names:
+            raise ValueError(
+                f"optimizer {self._name} keeps states of shapes of their own and per-parameter "
+                f"scalars {sorted(names)}: zeroshard keeps the first whole on the owner and "
+                "cannot keep the second beside them yet; " + _SUPPORTED
+            )
+        layout = _Layout(names, scalars, step_dtype, whole=not elementwise, factored=factored)
         # The step rebuilds the class from these states: a class keeping more
         # (a step count in its param groups, a running total on itself) would
         # lose it silently; so would one that couples its parameters (a global
@@ -389,12 +495,14 @@ def _rebuilt_each_step(
             state = optimizer.state[view]
             if layout.step_dtype is not None:
                 state["step"] = torch.tensor(float(step - 1), dtype=layout.step_dtype)
-            for name in layout.names:
+            for name, value in kept.items():
                 dtype = layout.scalars.get(name)
-                state[name] = kept[name] if dtype is None else kept[name].to(dtype)
+                state[name] = value if dtype is None else value.to(dtype)
         optimizer.step()
         state = optimizer.state[view]
-        for name in layout.names:
+        # A factored class's states are all its tensors but the step.
+        names = [n for n in state if n != "step"] if layout.factored else layout.names
+        for name in names:
             kept[name] = state[name].detach().float().clone()
     return param
 

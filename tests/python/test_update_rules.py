@@ -315,13 +315,36 @@ class GlobalNormSGD(torch.optim.Optimizer):
             p.add_(p.grad / max(float(norm), 1.0), alpha=-self.param_groups[0]["lr"])
 
 
+class TransposedStateSGD(torch.optim.Optimizer):
+    """Keeps a state in its parameter's transposed shape and scales by the
+    parameter's norm (so it needs parameters whole): a shape of its own that
+    is not the parameter's with some dimensions 1."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                flipped = p.grad.reshape(p.shape[::-1])
+                state = self.state[p]
+                if "t" not in state:
+                    state["t"] = torch.zeros_like(flipped)
+                state["t"].add_(flipped)
+                scale = max(float(p.norm()), 1.0)
+                p.add_(state["t"].reshape(p.shape) / scale, alpha=-group["lr"])
+
+
 def _build(rank: int, world_size: int, case: str) -> str:
     model = make_model(seed=0)
     try:
         if case == "muon":
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.Muon, lr=1e-2)
-        elif case == "adafactor":
-            zeroshard.ZeroOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+        elif case == "transposed_state":
+            zeroshard.ZeroOptimizer(model.parameters(), TransposedStateSGD)
         elif case == "lbfgs":
             zeroshard.ZeroOptimizer(model.parameters(), torch.optim.LBFGS)
         elif case == "offload_nvme":
@@ -358,7 +381,7 @@ def _build(rank: int, world_size: int, case: str) -> str:
     "case,expected",
     [
         ("muon", "update rule torch.optim.Muon cannot update parameter"),
-        ("adafactor", "optimizer torch.optim.Adafactor keeps state 'row_var'"),
+        ("transposed_state", "keeps state 't' as [3, 2] for a [2, 3] parameter"),
         ("lbfgs", "optimizer torch.optim.LBFGS with hyper-parameters"),
         ("offload_nvme", "keeps its states on the host with device 'cpu'"),
         ("group_muon", "cannot update parameter 1 of group 0 (shape [13])"),

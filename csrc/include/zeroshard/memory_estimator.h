@@ -47,9 +47,10 @@ struct EstimateOptions {
   TORCH_ARG(PrecisionRecipe, precision) = PrecisionRecipe::kMixed16;
   TORCH_ARG(StateKind, optimizer) = StateKind::kAdam;
   // fp32 states per element beside the master, for an update rule of the
-  // user's (update_rule.h: RAdam 2, Adagrad 1, NAdam 3); -1 counts
-  // `optimizer`'s (state_count).
-  TORCH_ARG(int64_t, optimizer_states) = -1;
+  // user's (update_rule.h: RAdam 2, Adagrad 1, NAdam 3; a fraction for
+  // states of shapes of their own, Adafactor's (m + n) / (m * n) over a
+  // model's matrices); -1 counts `optimizer`'s (state_count).
+  TORCH_ARG(double, optimizer_states) = -1;
   TORCH_ARG(OffloadDevice, offload_optimizer) = OffloadDevice::kNone;
   TORCH_ARG(OffloadDevice, offload_param) = OffloadDevice::kNone;
   // The settings below default to the options' own defaults (ZeroOptions,
@@ -174,7 +175,7 @@ struct StateBytes {
 };
 StateBytes state_bytes_per_param(PrecisionRecipe precision, StateKind optimizer);
 // The same for a rule keeping `states` fp32 states per element.
-StateBytes state_bytes_per_param(PrecisionRecipe precision, int64_t states);
+StateBytes state_bytes_per_param(PrecisionRecipe precision, double states);
 
 // Throws for impossible combinations (e.g. parameter offload below stage 3).
 MemoryEstimate estimate_memory(int64_t stage, const EstimateOptions& options);

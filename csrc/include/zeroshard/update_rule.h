@@ -32,6 +32,19 @@
 
 namespace zeroshard {
 
+// [Note: parameter states]
+// A whole-parameter rule may keep states in shapes of their own instead of
+// one element per parameter element: Adafactor's row and column statistics
+// of a matrix ([m, 1] and [1, n]), its variance of a vector. The parameter's
+// owner holds them (it holds the parameter whole), in the shapes the rule
+// gives, on the tier that holds the shard's states; checkpoints store them
+// as pieces of their own flattening, so they load at any world size and
+// stage, wherever the parameter's owner is then.
+struct ParameterStateSpec {
+  std::string name;            // as for state_names: "row_var"
+  std::vector<int64_t> sizes;  // its shape for this parameter
+};
+
 // One piece of one parameter that this rank updates in this step.
 struct ParameterShard {
   size_t group = 0;
@@ -45,6 +58,9 @@ struct ParameterShard {
   at::Tensor param;                // fp32 master values, 1-D, updated in place
   at::Tensor grad;                 // fp32, 1-D, averaged over the ranks
   std::vector<at::Tensor> states;  // state_names()' order, fp32, 1-D, updated in place
+  // parameter_states()' order, fp32, in their shapes, updated in place (a
+  // whole parameter's; zeros on its first step).
+  std::vector<at::Tensor> parameter_states;
 };
 
 class UpdateRule {
@@ -72,6 +88,12 @@ class UpdateRule {
   // (Muon: Newton-Schulz's m * n * min(m, n)).
   virtual double update_cost(const std::vector<int64_t>& sizes,
                              const nlohmann::json& /*hyperparameters*/) const;
+  // A whole-parameter rule's states of a shape of their own for a parameter
+  // of these sizes ([Note: parameter states]); none by default.
+  virtual std::vector<ParameterStateSpec> parameter_states(
+      const std::vector<int64_t>& /*sizes*/, const nlohmann::json& /*hyperparameters*/) const {
+    return {};
+  }
   // One step of the pieces that have a gradient this step, in offset order.
   virtual void update(const nlohmann::json& hyperparameters,
                       std::vector<ParameterShard>& shards) = 0;
