@@ -1,7 +1,8 @@
 // An UpdateRule of the user's (update_rule.h) in a LibTorch program: an
 // Adagrad written against the interface trains on 2 and 3 Gloo ranks (ranks
 // as threads) to LibTorch's torch::optim::Adagrad on the global batch, and
-// its own state ("sum") is saved at 2 ranks and resumed at 3.
+// its own state ("sum") is saved at 2 ranks and resumed at 3; a rule with
+// states of shapes of their own resumes at other owners.
 #include "zeroshard/builtin_rule.h"
 #include "zeroshard/muon_rule.h"
 #include "zeroshard/update_rule.h"
@@ -16,6 +17,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/api/include/torch/optim/adagrad.h>
@@ -70,6 +72,61 @@ std::vector<at::Tensor> LibTorchAdagrad(int steps) {
 RuleOptions AdagradOptions() {
   return RuleOptions(std::make_shared<Adagrad>(),
                      {{"lr", 0.05}, {"weight_decay", 0.01}, {"eps", 1e-10}});
+}
+
+// [Note: parameter states] from C++: a rule that keeps, per parameter, the
+// running mean of its squared gradient over the last dimension ([m, 1] for
+// a matrix, [1] for a vector), as Adafactor's row statistic, and divides
+// each row's step by its root: it needs the parameter whole.
+class RowScaledSgd : public UpdateRule {
+ public:
+  std::string name() const override { return "test.RowScaledSgd"; }
+  std::vector<std::string> state_names(const nlohmann::json&) const override { return {}; }
+  bool whole_parameters(const nlohmann::json&) const override { return true; }
+  std::vector<ParameterStateSpec> parameter_states(const std::vector<int64_t>& sizes,
+                                                   const nlohmann::json&) const override {
+    std::vector<int64_t> rows = sizes;
+    rows.back() = 1;
+    return {{"row_var", rows}};
+  }
+  void update(const nlohmann::json& h, std::vector<ParameterShard>& shards) override {
+    for (ParameterShard& piece : shards) {
+      Step(h.at("lr").get<double>(), piece.param.view(piece.sizes), piece.grad.view(piece.sizes),
+           piece.parameter_states.at(0));
+    }
+  }
+  static void Step(double lr, at::Tensor param, const at::Tensor& grad, at::Tensor row_var) {
+    row_var.mul_(0.9).add_(grad.square().mean(-1, /*keepdim=*/true), 0.1);
+    param.sub_(grad / row_var.sqrt().add(1e-8), lr);
+  }
+};
+
+std::vector<at::Tensor> RowScaledInOneProcess(int steps) {
+  TinyModel model(0);
+  std::vector<at::Tensor> rows;
+  for (const at::Tensor& p : model.params) {
+    std::vector<int64_t> sizes = p.sizes().vec();
+    sizes.back() = 1;
+    rows.push_back(at::zeros(sizes));
+  }
+  for (int step = 0; step < steps; ++step) {
+    auto [x, target] = GlobalBatch(step);
+    for (auto& p : model.params) {
+      p.mutable_grad() = at::Tensor();
+    }
+    model.loss(x, target).backward();
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      if (model.params[i].grad().defined()) {
+        RowScaledSgd::Step(0.02, model.params[i], model.params[i].grad(), rows[i]);
+      }
+    }
+  }
+  return model.params;
+}
+
+RuleOptions RowScaledOptions() {
+  return RuleOptions(std::make_shared<RowScaledSgd>(), {{"lr", 0.02}});
 }
 
 #ifdef ZEROSHARD_WITH_GLOO
@@ -131,6 +188,49 @@ TEST(UpdateRuleCheckpointTest, SavedAtTwoRanksResumesAtThreeAsOneTraining) {
     TinyModel model(7);  // other values: the load restores them
     ZeroOptimizer optimizer(model.params, pg, AdagradOptions(),
                             ZeroOptions().stage(1).reduce_bucket_size(16));
+    optimizer.load_checkpoint(path);
+    Train(rank, 3, model, optimizer, 4, 8);
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(model.params, expected);
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(resumed[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank;
+  }
+}
+
+// [Note: parameter states]: each owner holds its matrices' row statistics in
+// their shape; saved at 2 ranks and stage 3, they resume at 3 ranks and
+// stage 1 (other owners) as one training.
+TEST(UpdateRuleCheckpointTest, ParameterStatesResumeAtOtherOwnersAsOneTraining) {
+  TempDirectory directory;
+  const std::string path = directory.path() + "/ckpt";
+  const auto expected = RowScaledInOneProcess(8);
+  EXPECT_GT(MaxDiff(TinyModel(0).params, expected), 1e-3);  // it trained
+  std::vector<std::vector<int64_t>> shapes(2);
+  auto saved = RunRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(0);
+    ZeroOptimizer optimizer(model.params, pg, RowScaledOptions(),
+                            ZeroOptions().stage(3).stage3_param_persistence_threshold(0));
+    Train(rank, 2, model, optimizer, 0, 4);
+    optimizer.save_checkpoint(path);
+    const ZeroOptimizer::ParameterStatePart w1 = optimizer.parameter_state(0, 0);
+    ASSERT_EQ(w1.states.size(), 1u);
+    EXPECT_EQ(w1.states[0].first, "row_var");
+    if (w1.numel > 0) {  // the owner: [7, 1]
+      shapes[rank] = w1.states[0].second.sizes().vec();
+    }
+  });
+  for (const auto& error : saved) {
+    ASSERT_EQ(error, "");
+  }
+  EXPECT_EQ(shapes[0].empty() ? shapes[1] : shapes[0], (std::vector<int64_t>{7, 1}));
+  std::vector<double> diffs(3, -1);
+  std::mutex mutex;
+  auto resumed = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(7);  // other values: the load restores them
+    ZeroOptimizer optimizer(model.params, pg, RowScaledOptions(), ZeroOptions().stage(1));
     optimizer.load_checkpoint(path);
     Train(rank, 3, model, optimizer, 4, 8);
     std::lock_guard<std::mutex> lock(mutex);
