@@ -55,9 +55,13 @@ DEFAULT_VARIANTS = [
 
 def baseline_of(name: str) -> str:
     """The peer each variant's step time is compared with: DDP + torch Muon for
-    the Muon variants, FSDP2 for stage 3, else DDP + AdamW."""
+    the Muon variants, DDP + the same class for a torch.optim class's
+    (``_radam``, ``_adafactor``), FSDP2 for stage 3, else DDP + AdamW."""
     if name.endswith("_muon"):
         return "ddp_muon"
+    for suffix in ("_radam", "_adafactor"):  # a torch.optim class: DDP + the same class
+        if name.endswith(suffix):
+            return "ddp" + suffix
     return "fsdp2" if name.startswith(("zeroshard_stage3", "fsdp2")) else "ddp_adamw"
 
 

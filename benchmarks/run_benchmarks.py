@@ -109,6 +109,14 @@ class MuonAndAdamW:
             optimizer.step()
 
 
+# torch.optim classes a variant may name ("ddp_radam", "zeroshard_stage2_radam"):
+# zeroshard runs them through TorchOptimizerRule (python/zeroshard/update_rules.py).
+TORCH_CLASSES: dict[str, Any] = {
+    "radam": torch.optim.RAdam,
+    "adafactor": torch.optim.Adafactor,
+}
+
+
 class Variant:
     """Builds one training setup and reports its memory and traffic."""
 
@@ -129,6 +137,11 @@ class Variant:
             self.optimizer = MuonAndAdamW(
                 torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, lr=lr)
             )
+        elif name.startswith("ddp_") and name[len("ddp_") :] in TORCH_CLASSES:
+            # DDP + a torch.optim class run by torch: the yardstick of the
+            # same class run by zeroshard (TorchOptimizerRule, in Python).
+            self.model = nn.parallel.DistributedDataParallel(model)
+            self.optimizer = TORCH_CLASSES[name[len("ddp_") :]](model.parameters(), lr=lr)
         elif name == "zero_redundancy_optimizer":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -178,6 +191,10 @@ class Variant:
                 stage3["offload_optimizer"] = "cpu"
                 stage3["offload_param"] = "cpu"
             params: Any = model.parameters()
+            inner: Any = "adamw"
+            torch_class = name.rsplit("_", 1)[-1]
+            if torch_class in TORCH_CLASSES:  # as ddp_<class>
+                inner = TORCH_CLASSES[torch_class]
             if "_muon" in name:  # Muon's recipe, as ddp_muon
                 hidden, rest = muon_groups(model)
                 params = [
@@ -186,7 +203,7 @@ class Variant:
                 ]
             self.optimizer = zeroshard.ZeroOptimizer(
                 params,
-                "adamw",
+                inner,
                 stage=stage,
                 lr=lr,
                 reduce_bucket_size=args.bucket,
