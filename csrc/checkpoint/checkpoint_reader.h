@@ -50,6 +50,10 @@ class CheckpointReader {
   // or expert parallelism, checked by the caller over every rank) a saved one
   // is held by none of them.
   void match(std::vector<std::vector<Parameter>> groups, bool others_may_hold);
+  // The index entry parameter `index` of group g matched (after match()).
+  const nlohmann::json& saved_entry(size_t group, int64_t index) const {
+    return *match_.at(group).at(static_cast<size_t>(index));
+  }
   // The saved names this rank's parameters matched (not their aliases).
   const std::vector<std::string>& held() const { return held_; }
   // The steps the matched parameters had taken, per group.

@@ -55,6 +55,18 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
     std::vector<at::Tensor> params, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
     c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, const DeepSpeedConfig& config,
     std::vector<ParameterUnit> units) {
+  check_groups_match_config(process_group, replicate_group, config);
+  const auto inner = make_optimizer_options(config);
+  std::vector<torch::optim::OptimizerParamGroup> groups{
+      torch::optim::OptimizerParamGroup(std::move(params))};
+  return std::make_unique<ZeroOptimizer>(groups, std::move(process_group),
+                                         std::move(replicate_group), *inner,
+                                         zero_options_from_config(config), std::move(units));
+}
+
+void check_groups_match_config(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+                               const c10::intrusive_ptr<c10d::ProcessGroup>& replicate_group,
+                               const DeepSpeedConfig& config) {
   TORCH_CHECK_VALUE(process_group, "make_optimizer needs a process group; got a null one");
   const int64_t shard_size = process_group->getSize();
   const int64_t replicas = replicate_group ? replicate_group->getSize() : 1;
@@ -68,12 +80,6 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
                     " replicas; got a shard group of ", shard_size, " ranks and ", replicas,
                     " replicas (build both groups with make_hybrid_gloo_groups, or pass the "
                     "world group when zero_hpz_partition_size is 1)");
-  const auto inner = make_optimizer_options(config);
-  std::vector<torch::optim::OptimizerParamGroup> groups{
-      torch::optim::OptimizerParamGroup(std::move(params))};
-  return std::make_unique<ZeroOptimizer>(groups, std::move(process_group),
-                                         std::move(replicate_group), *inner,
-                                         zero_options_from_config(config), std::move(units));
 }
 
 std::unique_ptr<ZeroOptimizer> make_optimizer(
@@ -88,11 +94,11 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
     }
     optimizer = make_optimizer(std::move(params), process_group, config, std::move(units));
   } else {
-    TORCH_CHECK_VALUE(process_group, "make_optimizer needs a process group; got a null one");
     TORCH_CHECK_VALUE(config.shard_group_size <= 1,
                       "optimizer.type \"Muon\" with zero_hpz_partition_size > 1: build the "
                       "groups with deepspeed_muon_groups and the ZeroOptimizer with both "
                       "process groups");
+    check_groups_match_config(process_group, nullptr, config);
     const std::vector<torch::optim::OptimizerParamGroup> groups =
         deepspeed_muon_groups(named_parameters, config);
     TORCH_CHECK_VALUE(!groups.empty(), "make_optimizer was given no parameters");

@@ -27,7 +27,8 @@ uint64_t mix(uint64_t hash, int64_t value) {
 GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size,
                          int64_t bucket_numel, const std::vector<int64_t>& param_units,
                          int64_t alignment, bool whole_parameters,
-                         const std::vector<double>& param_costs)
+                         const std::vector<double>& param_costs,
+                         const std::vector<double>& prior_rank_costs)
     : world_size_(world_size),
       bucket_numel_(bucket_numel),
       alignment_(alignment),
@@ -44,7 +45,11 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
   if (costs.empty()) {
     costs.assign(param_numels.begin(), param_numels.end());
   }
-  std::vector<double> rank_costs(world_size_, 0.0);
+  TORCH_CHECK_VALUE(
+      prior_rank_costs.empty() || static_cast<int64_t>(prior_rank_costs.size()) == world_size,
+      "prior_rank_costs must be empty or give one cost per rank");
+  rank_costs_ = prior_rank_costs;
+  rank_costs_.resize(world_size_, 0.0);
   slot_of_param_.assign(num_params, -1);
   const bool has_units = !param_units.empty();
   auto unit_of = [&](int64_t index) { return has_units ? param_units[index] : kNoUnit; };
@@ -103,7 +108,7 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
     }
     open.end_slot = static_cast<int64_t>(slots_.size());
     if (whole_parameters_) {
-      place_whole_parameters(open, open.end_slot, costs, rank_costs);
+      place_whole_parameters(open, open.end_slot, costs);
     } else {
       open.numel = round_up(open_end, world_size_ * alignment_);
       open.shard_numel = open.numel / world_size_;
@@ -157,8 +162,7 @@ GroupLayout::GroupLayout(const std::vector<int64_t>& param_numels, int64_t world
 }
 
 void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end,
-                                         const std::vector<double>& costs,
-                                         std::vector<double>& rank_costs) {
+                                         const std::vector<double>& costs) {
   // Largest first, each to the slice with the fewest elements so far (ties
   // to the lowest): the LPT rule, so the slices come out even and the
   // padding that evens them stays small.
@@ -190,11 +194,11 @@ void GroupLayout::place_whole_parameters(Bucket& bucket, int64_t end,
   std::stable_sort(slices_by_cost.begin(), slices_by_cost.end(),
                    [&](int64_t a, int64_t b) { return slice_costs[a] > slice_costs[b]; });
   std::stable_sort(ranks_by_cost.begin(), ranks_by_cost.end(),
-                   [&](int64_t a, int64_t b) { return rank_costs[a] < rank_costs[b]; });
+                   [&](int64_t a, int64_t b) { return rank_costs_[a] < rank_costs_[b]; });
   std::vector<int64_t> owner_of_slice(world_size_);
   for (int64_t i = 0; i < world_size_; ++i) {
     owner_of_slice[slices_by_cost[i]] = ranks_by_cost[i];
-    rank_costs[ranks_by_cost[i]] += slice_costs[slices_by_cost[i]];
+    rank_costs_[ranks_by_cost[i]] += slice_costs[slices_by_cost[i]];
   }
   std::vector<int64_t> owner(slots_.size(), 0);
   for (int64_t s : by_size) {
@@ -295,11 +299,15 @@ PartitionLayout::PartitionLayout(const std::vector<std::vector<int64_t>>& group_
       "group_param_costs must be empty or give one entry per group");
   groups_.reserve(group_param_numels.size());
   for (size_t g = 0; g < group_param_numels.size(); ++g) {
+    // A copy: the reference would point into groups_ while it grows.
+    const std::vector<double> prior =
+        groups_.empty() ? std::vector<double>{} : groups_.back().rank_costs();
     groups_.emplace_back(group_param_numels[g], world_size, bucket_numel,
                          group_param_units.empty() ? std::vector<int64_t>{} : group_param_units[g],
                          group_alignments.empty() ? 1 : group_alignments[g],
                          !group_whole_parameters.empty() && group_whole_parameters[g],
-                         group_param_costs.empty() ? std::vector<double>{} : group_param_costs[g]);
+                         group_param_costs.empty() ? std::vector<double>{} : group_param_costs[g],
+                         prior);
   }
 }
 

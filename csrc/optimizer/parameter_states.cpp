@@ -17,7 +17,7 @@ std::vector<ParameterStateSpec> ParameterStates::specs(
 
 ParameterStates::ParameterStates(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                                  const std::vector<std::vector<ShardSegment>>& segments,
-                                 const at::TensorOptions& options) {
+                                 const std::vector<at::TensorOptions>& options) {
   flat_.resize(groups.size());
   entries_.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -31,21 +31,13 @@ ParameterStates::ParameterStates(const std::vector<torch::optim::OptimizerParamG
       if (wanted.empty()) {
         continue;
       }
-      const auto* rule = dynamic_cast<const RuleOptions*>(&groups[g].options());
-      TORCH_CHECK_VALUE(
+      TORCH_INTERNAL_ASSERT(
           segment.param_offset == 0 && segment.numel == groups[g].params()[i].numel(),
-          "update rule '", rule->rule()->name(),
-          "' keeps states of a shape of their own (parameter_states), which needs each "
-          "parameter whole on one rank: its whole_parameters() must return true");
+          "parameter states of a parameter that is not whole on this rank");
       std::vector<Entry>& out = entries_[g][segment.param_index];
       for (const ParameterStateSpec& spec : wanted) {
-        TORCH_CHECK_VALUE(spec.name != "master", "update rule '", rule->rule()->name(),
-                          "' names a parameter state \"master\": that name is the fp32 master "
-                          "weights'");
         int64_t numel = 1;
         for (int64_t size : spec.sizes) {
-          TORCH_CHECK_VALUE(size >= 0, "update rule '", rule->rule()->name(), "' gives state '",
-                            spec.name, "' a negative size");
           numel *= size;
         }
         out.push_back({optimizer_state_named(spec.name), spec.sizes, total, numel});
@@ -53,7 +45,7 @@ ParameterStates::ParameterStates(const std::vector<torch::optim::OptimizerParamG
       }
     }
     if (total > 0) {
-      flat_[g] = at::zeros({total}, options.dtype(at::kFloat));
+      flat_[g] = at::zeros({total}, options.at(g).dtype(at::kFloat));
       bytes_ += total * static_cast<int64_t>(sizeof(float));
     }
   }

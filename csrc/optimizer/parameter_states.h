@@ -28,13 +28,13 @@ class ParameterStates {
   };
 
   ParameterStates() = default;
-  // Zeroed states, with `options` (fp32, on the tier that holds the shard's
-  // states), for the parameters of `segments` (this rank's, per group) in
-  // groups whose rule keeps parameter states. Throws for such a rule whose
-  // parameters are not whole on this rank (it must say whole_parameters).
+  // Zeroed states, per group with `options[g]` (fp32, on the tier that
+  // holds the group's states), for the parameters of `segments` (this
+  // rank's, per group) in groups whose rule keeps parameter states. The
+  // rules' answers were checked on every rank (check_rule_parameters).
   ParameterStates(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                   const std::vector<std::vector<ShardSegment>>& segments,
-                  const at::TensorOptions& options);
+                  const std::vector<at::TensorOptions>& options);
 
   // What the group's rule keeps for its parameter `index`, on any rank.
   static std::vector<ParameterStateSpec> specs(const torch::optim::OptimizerParamGroup& group,
@@ -54,6 +54,9 @@ class ParameterStates {
   const at::Tensor& flat(size_t g) const { return flat_.at(g); }
   at::Tensor& flat(size_t g) { return flat_.at(g); }
   int64_t bytes() const { return bytes_; }
+  int64_t bytes(size_t g) const {
+    return flat_.at(g).defined() ? flat_[g].numel() * static_cast<int64_t>(sizeof(float)) : 0;
+  }
 
  private:
   std::vector<at::Tensor> flat_;

@@ -124,29 +124,39 @@ void ZeroOptimizer::Impl::load_shard_state(const ShardState& state) {
   }
   groups_->raise_if_any_failed(
       error, "load its zeroshard optimizer state; nothing was loaded on any rank", "shard_state");
-
-  at::NoGradGuard no_grad;
-  for (size_t g = 0; g < buffers_.size(); ++g) {
-    write_master(g, 0,
-                 by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
-                     .to(fp32_options()));
-    for (OptimizerStateName name : all_optimizer_states()) {
-      auto it = by_key.find(group_key(g, optimizer_state_name(name)));
-      if (name != OptimizerStateName::kMaster && it != by_key.end()) {
-        storage().write(g, name, 0, it->second);
+  // From here the state is being written: a failure leaves it incomplete
+  // ([Note: the step's phase]) until a load succeeds.
+  try {
+    at::NoGradGuard no_grad;
+    for (size_t g = 0; g < buffers_.size(); ++g) {
+      write_master(g, 0,
+                   by_key.at(group_key(g, optimizer_state_name(OptimizerStateName::kMaster)))
+                       .to(fp32_options()));
+      for (OptimizerStateName name : all_optimizer_states()) {
+        auto it = by_key.find(group_key(g, optimizer_state_name(name)));
+        if (name != OptimizerStateName::kMaster && it != by_key.end()) {
+          storage().write(g, name, 0, it->second);
+        }
       }
+      if (parameter_states_.flat(g).defined()) {
+        parameter_states_.flat(g).copy_(by_key.at(group_key(g, kParameterStatesKey)));
+      }
+      at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
+      const auto* data = steps.data_ptr<int64_t>();
+      buffers_[g].steps.assign(data, data + steps.numel());
     }
-    if (parameter_states_.flat(g).defined()) {
-      parameter_states_.flat(g).copy_(by_key.at(group_key(g, kParameterStatesKey)));
+    if (offloaded_) {
+      refresh_parameters_from_master();
     }
-    at::Tensor steps = by_key.at(group_key(g, "steps")).cpu().to(at::kLong).contiguous();
-    const auto* data = steps.data_ptr<int64_t>();
-    buffers_[g].steps.assign(data, data + steps.numel());
+    gather_parameters();
+  } catch (const c10::Error& e) {
+    step_phase_.mark_incomplete(std::string("a load_state_dict() failed partway: ") +
+                                e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    step_phase_.mark_incomplete(std::string("a load_state_dict() failed partway: ") + e.what());
+    throw;
   }
-  if (offloaded_) {
-    refresh_parameters_from_master();
-  }
-  gather_parameters();
   step_phase_.restored();  // [Note: the step's phase]
 }
 

@@ -11,7 +11,9 @@
 // parameters that no longer match their master. Training on from there, or
 // saving it, is a silent wrong answer, so the optimizer stays kIncomplete
 // until a load replaces the state: step() refuses on every rank (through the
-// step's agreement), a save or state_dict() refuses, a load restores kReady.
+// step's agreement), a save (through its own) or state_dict() refuses, a load
+// with the optimizer states restores kReady. A load that fails after it began
+// writing leaves the state incomplete too.
 // A step entered while one is running (from a closure or a hook) raises.
 #pragma once
 
@@ -57,6 +59,14 @@ class StepPhase {
       why_ = why.substr(0, why.find('\n'));
     }
   }
+  // A load failed after it began writing the state: as incomplete as a
+  // failed update (not during a step).
+  void mark_incomplete(const std::string& why) {
+    if (phase_ == Phase::kReady || phase_ == Phase::kIncomplete) {
+      phase_ = Phase::kIncomplete;
+      why_ = why.substr(0, why.find('\n'));
+    }
+  }
   // A load replaced the whole state (checkpoint or state dict).
   void restored() {
     TORCH_CHECK(phase_ == Phase::kReady || phase_ == Phase::kIncomplete,
@@ -64,16 +74,22 @@ class StepPhase {
     phase_ = Phase::kReady;
     why_.clear();
   }
-  // Throws for `what` (a save) while the state is incomplete.
+  // Why the state must not be saved or stepped ("" when it may).
+  std::string incomplete_reason() const {
+    return phase_ == Phase::kIncomplete ? refusal() : std::string();
+  }
+  // Throws for `what` (a local call: state_dict()) while the state is
+  // incomplete.
   void check_complete(const char* what) const {
     TORCH_CHECK(phase_ != Phase::kIncomplete, "zeroshard: ", what, " refused: ", refusal());
   }
 
  private:
   std::string refusal() const {
-    return "an earlier step() failed while updating the shards (" + why_ +
-           "), so some are stepped and others not, and the parameters no longer match their "
-           "master weights; load a checkpoint (load_checkpoint or load_state_dict) to go on";
+    return "an earlier step() or load failed while writing the shards (" + why_ +
+           "), so some are written and others not, and the parameters may not match their "
+           "master weights; load a checkpoint with its optimizer states (load_checkpoint, or "
+           "load_state_dict) to go on";
   }
 
   Phase phase_ = Phase::kReady;

@@ -187,7 +187,20 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
         at::Tensor values = at::zeros({parameter_states_.flat(g).numel()}, at::kFloat);
         float* target = values.data_ptr<float>();
         for (const auto& [param, entries] : parameter_states_.group_entries(g)) {
+          const json& saved = reader->saved_entry(g, param);
           for (const ParameterStates::Entry& entry : entries) {
+            const std::string name = optimizer_state_name(entry.name);
+            // A state of the same name in another shape would read as a
+            // range of this one.
+            TORCH_CHECK_VALUE(
+                !saved.contains("state_shapes") || !saved["state_shapes"].contains(name) ||
+                    saved["state_shapes"][name].get<std::vector<int64_t>>() == entry.sizes,
+                "checkpoint ", path, " saved ", name, " of parameter '",
+                parameter_name(g, static_cast<size_t>(param)), "' with shape ",
+                saved.contains("state_shapes") && saved["state_shapes"].contains(name)
+                    ? saved["state_shapes"][name].dump()
+                    : std::string("?"),
+                "; this optimizer's rule keeps it as ", entry.sizes);
             ShardSegment segment;
             segment.param_index = param;
             segment.shard_offset = entry.offset;
@@ -230,61 +243,69 @@ LoadedCheckpoint ZeroOptimizer::Impl::load_checkpoint(const std::string& path_in
   check_checkpoint_agreement(*reader, index_crc, same_grouping && with_state, with_state);
 
   at::NoGradGuard no_grad;
-  if (streaming) {
-    // The second pass (see [Note: streaming load]): what every rank verified
-    // is read again and written range by range into the swap space. A read
-    // or write failing now (the files changed since, the disk) is raised on
-    // every rank; the state is then partly loaded, as the message says.
-    std::string stream_error;
-    try {
-      for (size_t g = 0; g < buffers_.size(); ++g) {
-        for (OptimizerStateName state : streamed[g]) {
-          if (state != OptimizerStateName::kMaster && !with_state) {
-            continue;
+  // From here the state is being written: a failure leaves it incomplete
+  // ([Note: the step's phase]) until a load succeeds.
+  try {
+    if (streaming) {
+      // The second pass (see [Note: streaming load]): what every rank verified
+      // is read again and written range by range into the swap space. A read
+      // or write failing now (the files changed since, the disk) is raised on
+      // every rank; the state is then partly loaded, as the message says.
+      std::string stream_error;
+      try {
+        for (size_t g = 0; g < buffers_.size(); ++g) {
+          for (OptimizerStateName state : streamed[g]) {
+            if (state != OptimizerStateName::kMaster && !with_state) {
+              continue;
+            }
+            reader->visit_state(
+                g, buffers_[g].segments, state,
+                [&](int64_t offset, const float* source, int64_t length) {
+                  offloaded_->write(
+                      g, state, offset,
+                      at::from_blob(const_cast<float*>(source), {length}, at::kFloat));
+                },
+                [&](int64_t offset, int64_t length) {
+                  offloaded_->write(g, state, offset, at::zeros({length}, at::kFloat));
+                });
           }
-          reader->visit_state(
-              g, buffers_[g].segments, state,
-              [&](int64_t offset, const float* source, int64_t length) {
-                offloaded_->write(g, state, offset,
-                                  at::from_blob(const_cast<float*>(source), {length}, at::kFloat));
-              },
-              [&](int64_t offset, int64_t length) {
-                offloaded_->write(g, state, offset, at::zeros({length}, at::kFloat));
-              });
+          buffers_[g].steps = steps[g];
         }
-        buffers_[g].steps = steps[g];
+      } catch (const std::exception& e) {
+        stream_error = message_of(e);
       }
-    } catch (const std::exception& e) {
-      stream_error = message_of(e);
+      const std::string agreed = groups_->agree(stream_error, "checkpoint_stream");
+      TORCH_CHECK(agreed.empty(), "could not load checkpoint ", path,
+                  " into the NVMe swap space (the optimizer state is partly loaded; load it "
+                  "again): ",
+                  agreed);
     }
-    const std::string agreed = groups_->agree(stream_error, "checkpoint_stream");
-    TORCH_CHECK(agreed.empty(), "could not load checkpoint ", path,
-                " into the NVMe swap space (the optimizer state is partly loaded; load it "
-                "again): ",
-                agreed);
-  }
-  for (size_t g = 0; g < buffers_.size() && !streaming; ++g) {
-    write_master(g, 0, loaded[g][0].to(fp32_options()));
-    if (!with_state) {
-      continue;
-    }
-    for (size_t k = 1; k < loaded[g].size(); ++k) {
-      if (loaded[g][k].defined()) {
-        storage().adopt(g, static_cast<OptimizerStateName>(k), loaded[g][k]);
+    for (size_t g = 0; g < buffers_.size() && !streaming; ++g) {
+      write_master(g, 0, loaded[g][0].to(fp32_options()));
+      if (!with_state) {
+        continue;
+      }
+      for (size_t k = 1; k < loaded[g].size(); ++k) {
+        if (loaded[g][k].defined()) {
+          storage().adopt(g, static_cast<OptimizerStateName>(k), loaded[g][k]);
+        }
+      }
+      buffers_[g].steps = steps[g];
+      if (loaded_parameter_states[g].defined()) {
+        parameter_states_.flat(g).copy_(loaded_parameter_states[g]);
       }
     }
-    buffers_[g].steps = steps[g];
-    if (loaded_parameter_states[g].defined()) {
-      parameter_states_.flat(g).copy_(loaded_parameter_states[g]);
+    for (size_t g = 0; g < saved_options.size(); ++g) {
+      param_groups_[g].set_options(std::move(saved_options[g]));
     }
+    if (offloaded_) {
+      refresh_parameters_from_master();
+    }
+    gather_parameters();
+  } catch (const std::exception& e) {
+    step_phase_.mark_incomplete("a load of " + path + " failed partway: " + message_of(e));
+    throw;
   }
-  for (size_t g = 0; g < saved_options.size(); ++g) {
-    param_groups_[g].set_options(std::move(saved_options[g]));
-  }
-  if (offloaded_) {
-    refresh_parameters_from_master();
-  }
-  gather_parameters();
   if (with_state) {
     step_phase_.restored();  // [Note: the step's phase]
   }

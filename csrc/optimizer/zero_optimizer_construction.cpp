@@ -229,11 +229,13 @@ void ZeroOptimizer::Impl::initialize(c10::intrusive_ptr<c10d::ProcessGroup> proc
   build_gradient_reduction();
   build_group_shards();
   std::vector<std::vector<ShardSegment>> segments;
-  for (const GroupBuffers& shard : buffers_) {
-    segments.push_back(shard.segments);
+  std::vector<at::TensorOptions> state_options;  // where each group's states are
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    segments.push_back(buffers_[g].segments);
+    state_options.push_back(fp32_options().device(
+        state_tier(g) == StateTier::kDevice ? device_ : c10::Device(c10::kCPU)));
   }
-  parameter_states_ =
-      ParameterStates(param_groups_, segments, fp32_options().device(storage().home_device()));
+  parameter_states_ = ParameterStates(param_groups_, segments, state_options);
   device_storage_->set_parameter_states(&parameter_states_);
   gradients_->expect_current_gradients();  // the parameters as the shards left them
   if (gatherer_ && options_.check_collective_order() && groups_->shard().world_size() > 1) {

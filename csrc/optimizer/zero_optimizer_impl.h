@@ -105,6 +105,8 @@ class ZeroOptimizer::Impl {
   const at::Tensor& flat_parameters(size_t group) const;
   int64_t optimizer_state_bytes() const;
   int64_t parameter_state_bytes(StateTier tier) const;
+  // Where group g's optimizer states live (its first sub-group's tier).
+  StateTier state_tier(size_t g) const;
   int64_t device_model_state_bytes() const;
   int64_t host_model_state_bytes() const;
   const StatePlacement& placement() const { return *placement_; }

@@ -13,9 +13,22 @@ int64_t ZeroOptimizer::Impl::optimizer_state_bytes() const {
 }
 
 int64_t ZeroOptimizer::Impl::parameter_state_bytes(StateTier tier) const {
-  // They live where the shard's states do ([Note: parameter states]).
-  const StateTier home = offloaded_ ? StateTier::kHost : StateTier::kDevice;
-  return tier == home ? parameter_states_.bytes() : 0;
+  // They live where their group's states do ([Note: parameter states]).
+  int64_t bytes = 0;
+  for (size_t g = 0; g < buffers_.size(); ++g) {
+    bytes += state_tier(g) == tier ? parameter_states_.bytes(g) : 0;
+  }
+  return bytes;
+}
+
+StateTier ZeroOptimizer::Impl::state_tier(size_t g) const {
+  if (!offloaded_) {
+    return StateTier::kDevice;
+  }
+  // A rule's group is one sub-group ([Note: a rule on the host]); offload's
+  // ratio may leave it on the device.
+  const std::vector<SubGroup>& sub_groups = placement_->sub_groups(g);
+  return sub_groups.empty() ? StateTier::kHost : sub_groups.front().tier;
 }
 
 int64_t ZeroOptimizer::Impl::device_model_state_bytes() const {

@@ -23,7 +23,10 @@ namespace zeroshard {
 void ZeroOptimizer::Impl::save_checkpoint(const std::string& path,
                                           const CheckpointSaveOptions& options) {
   check_groups_fixed();
-  step_phase_.check_complete("save_checkpoint()");
+  // [Note: the step's phase]: agreed, so that a rank whose state is
+  // incomplete does not refuse alone while the others wait in the save.
+  const std::string incomplete = groups_->agree(step_phase_.incomplete_reason(), "save_refusal");
+  TORCH_CHECK(incomplete.empty(), "zeroshard: save_checkpoint() refused ", incomplete);
   if (!groups_->replica()) {
     save_checkpoint_shards(path, options);
     return;

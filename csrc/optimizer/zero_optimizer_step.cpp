@@ -70,6 +70,9 @@ at::Tensor ZeroOptimizer::Impl::step(LossClosure closure) {
   } catch (const std::exception& e) {
     step_phase_.failed(e.what());
     throw;
+  } catch (...) {
+    step_phase_.failed("an exception that is not a std::exception");
+    throw;
   }
   step_phase_.end();
   return loss;

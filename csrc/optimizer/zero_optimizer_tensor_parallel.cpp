@@ -52,6 +52,16 @@ void ZeroOptimizer::Impl::set_model_parallel(ModelParallel kind,
                         " (expected: dim -1 and the same shape for a whole tensor; for a piece, "
                         "sharded, the unsplit shape equal but along dim, and start + size <= "
                         "unsplit size)");
+      // A whole-parameter rule (Muon, Adafactor) would update a piece as if it
+      // were the matrix ([Note: whole parameters]).
+      const auto* rule = dynamic_cast<const RuleOptions*>(&param_groups_[g].options());
+      TORCH_CHECK_VALUE(split.dim < 0 || rule == nullptr ||
+                            !rule->rule()->whole_parameters(rule->hyperparameters()),
+                        "set_tensor_parallel: parameter ", i, " of group ", g,
+                        " is a piece split along dim ", split.dim, ", and update rule '",
+                        rule ? rule->rule()->name() : std::string(),
+                        "' updates whole matrices: it would update the piece as a matrix of its "
+                        "own; not supported yet");
     }
   }
   tensor_parallel_sharded_ = std::move(sharded);

@@ -327,6 +327,22 @@ void ZeroOptimizer::Impl::check_rule_parameters() const {
                           "it keeps states of a shape of their own (parameter_states), which "
                           "needs each parameter whole on one rank: its whole_parameters() must "
                           "return true");
+        for (const ParameterStateSpec& spec : specs) {
+          TORCH_CHECK_VALUE(spec.name != "master",
+                            "it names a parameter state \"master\": that "
+                            "name is the fp32 master weights'");
+          optimizer_state_named(spec.name);  // registers it, or refuses the name
+          for (int64_t size : spec.sizes) {
+            TORCH_CHECK_VALUE(size >= 0, "it gives state '", spec.name, "' the shape ", spec.sizes,
+                              "; sizes must be >= 0");
+          }
+        }
+        if (whole) {  // the owners are balanced by it: a NaN would break the sort
+          const double cost =
+              options.rule()->update_cost(params[i].sizes().vec(), options.hyperparameters());
+          TORCH_CHECK_VALUE(std::isfinite(cost) && cost >= 0, "its update_cost() is ", cost,
+                            "; expected a finite number >= 0");
+        }
       } catch (const c10::Error& e) {
         TORCH_CHECK_VALUE(false, "update rule ", options.rule()->name(),
                           " cannot update parameter ", i, " of group ", g, " (shape ",

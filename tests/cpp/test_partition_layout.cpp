@@ -262,6 +262,16 @@ TEST(PartitionLayoutTest, WholeParameterOwnersBalanceWorkAcrossBuckets) {
   EXPECT_NE(by_cost.fingerprint(0), by_size.fingerprint(0)) << "costs moved parameters";
   EXPECT_EQ(by_cost.flat_numel(), by_size.flat_numel());
   EXPECT_THROW(GroupLayout(numels, 2, 1000, units, 4, true, {1.0}), c10::ValueError);
+  // Over groups too (per-layer Muon groups): each group's one matrix went to
+  // rank 0; now they take turns.
+  PartitionLayout groups({{96}, {96}, {96}, {96}}, 2, 1000, {}, {4, 4, 4, 4},
+                         {true, true, true, true});
+  int64_t on_rank_one = 0;
+  for (const GroupLayout& group : groups.groups()) {
+    on_rank_one += group.segments_of_rank(1).empty() ? 0 : 1;
+  }
+  EXPECT_EQ(on_rank_one, 2);
+  EXPECT_EQ(groups.groups().back().rank_costs(), (std::vector<double>{192, 192}));
 }
 
 TEST(PartitionLayoutTest, SeveralGroupsAndFingerprints) {

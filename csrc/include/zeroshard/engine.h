@@ -90,6 +90,11 @@ std::unique_ptr<ZeroOptimizer> make_optimizer(
     const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
     c10::intrusive_ptr<c10d::ProcessGroup> process_group, const DeepSpeedConfig& config,
     std::vector<ParameterUnit> units = {});
+// Throws, naming both, where the groups' sizes are not what the config's
+// world size and zero_hpz_partition_size say.
+void check_groups_match_config(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+                               const c10::intrusive_ptr<c10d::ProcessGroup>& replicate_group,
+                               const DeepSpeedConfig& config);
 // The ZeroOptions a config describes (also used by the Python layer).
 ZeroOptions zero_options_from_config(const DeepSpeedConfig& config);
 

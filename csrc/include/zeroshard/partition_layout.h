@@ -48,9 +48,9 @@ namespace zeroshard {
 // same), so the owners are balanced by the rule's work over all buckets
 // (UpdateRule::update_cost; Newton-Schulz grows as m * n * min(m, n), not as
 // m * n): the slice with the most work goes to the rank with the least so
-// far. Without this, the largest slice of every bucket went to rank 0 (a
-// stage-3 unit with fewer matrices than ranks, or one matrix per bucket,
-// left the others idle while rank 0 orthogonalized every matrix).
+// far, over the buckets of every group. Without this, the largest slice of every bucket went to
+// rank 0 (a stage-3 unit with fewer matrices than ranks, or one matrix per bucket, left the others
+// idle while rank 0 orthogonalized every matrix).
 //
 // A rank's shard is the concatenation of its slices of all buckets, so it is
 // one contiguous tensor. When the group fits in one bucket (the default bucket
@@ -110,14 +110,18 @@ class GroupLayout {
   // alignment: every slot starts at a multiple of it (elements; see [Note:
   // aligned slots]). whole_parameters: [Note: whole parameters];
   // param_costs: each parameter's update work, which balances its owners
-  // there (empty: its elements).
+  // there (empty: its elements); prior_rank_costs: the work each rank owns
+  // in the groups laid out before this one (empty: none).
   GroupLayout(const std::vector<int64_t>& param_numels, int64_t world_size, int64_t bucket_numel,
               const std::vector<int64_t>& param_units = {}, int64_t alignment = 1,
-              bool whole_parameters = false, const std::vector<double>& param_costs = {});
+              bool whole_parameters = false, const std::vector<double>& param_costs = {},
+              const std::vector<double>& prior_rank_costs = {});
 
   int64_t world_size() const { return world_size_; }
   int64_t alignment() const { return alignment_; }
   bool whole_parameters() const { return whole_parameters_; }
+  // The whole-parameter work each rank owns, this group's included.
+  const std::vector<double>& rank_costs() const { return rank_costs_; }
   int64_t num_params() const { return static_cast<int64_t>(slot_of_param_.size()); }
   // Padded length of the flat buffer: a multiple of world_size.
   int64_t flat_numel() const { return flat_numel_; }
@@ -145,15 +149,15 @@ class GroupLayout {
 
  private:
   // Places the slots [first, end) of `bucket` (starting at its flat_offset)
-  // and sets its sizes: [Note: whole parameters]. rank_costs: the work each
-  // rank owns in the buckets placed so far, updated.
-  void place_whole_parameters(Bucket& bucket, int64_t end, const std::vector<double>& costs,
-                              std::vector<double>& rank_costs);
+  // and sets its sizes: [Note: whole parameters]; adds the work each rank
+  // gets to rank_costs_.
+  void place_whole_parameters(Bucket& bucket, int64_t end, const std::vector<double>& costs);
 
   int64_t world_size_;
   int64_t bucket_numel_;
   int64_t alignment_;
   bool whole_parameters_;
+  std::vector<double> rank_costs_;
   int64_t flat_numel_ = 0;
   int64_t param_numel_ = 0;
   std::vector<ParamSlot> slots_;
