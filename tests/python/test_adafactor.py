@@ -144,6 +144,40 @@ def test_adafactor_trains_as_single_process_torch_optim(
         assert held >= (factored + numel) * 4, (held, factored, numel)
 
 
+def _partly_offloaded(rank: int, world_size: int) -> dict[str, Any]:
+    model = make_gpt(seed=0)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() != 2]
+    optimizer = zeroshard.ZeroOptimizer(
+        [{"params": matrices}, {"params": vectors}],
+        torch.optim.Adafactor,
+        lr=LR,
+        stage=2,
+        offload_optimizer={"device": "cpu", "ratio": 0.5},
+    )
+    train(model, optimizer, STEPS, rank, world_size)
+    return {
+        "params": _full(model, optimizer),
+        "device": optimizer.device_model_state_bytes(),
+        "host": optimizer.host_model_state_bytes(),
+    }
+
+
+def test_with_part_of_the_groups_offloaded_it_trains_as_single_process() -> None:
+    """offload ratio 0.5 over two groups: a rule's group is one sub-group, so
+    one stays on the device tier and one goes to the host, each with its
+    factored states (on a GPU the device tier's must sit beside its master on
+    the GPU: a CPU run cannot see where, only that both tiers step right)."""
+    results = unwrap(run_ranks(2, _partly_offloaded))
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: device {result['device']} bytes, host {result['host']} bytes")
+        assert result["device"] > 0 and result["host"] > 0, result
+    expected, _ = _single_process()
+    assert_ranks_match_reference(
+        [r["params"] for r in results], expected, TOLERANCE, "Adafactor, offload ratio 0.5"
+    )
+
+
 # ---- checkpoints: other owners at another world size and stage ------------------------
 
 
