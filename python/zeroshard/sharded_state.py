@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.update_rules import step_value
+
 # The built-in rules whose torch.optim counterparts keep a "step" per parameter.
 _COUNTS_STEPS = ("adam", "adamw")
 
@@ -49,7 +51,7 @@ class ParameterState(MutableMapping[str, Any]):
     def __init__(
         self,
         impl: Any,
-        step_dtype: torch.dtype | None,
+        step_dtype: Any,
         scalars: dict[str, torch.dtype],
         group: int,
         index: int,
@@ -63,7 +65,7 @@ class ParameterState(MutableMapping[str, Any]):
         _, _, steps, states = self._impl.parameter_state(*self._where)
         out: dict[str, Any] = {}
         if steps > 0 and self._step_dtype is not None:
-            out["step"] = torch.tensor(float(steps), dtype=self._step_dtype)
+            out["step"] = step_value(self._step_dtype, steps)
         for name, values in states.items():
             dtype = self._scalars.get(name)
             # A scalar a rank owns no element of reads as absent: it holds none of it.

@@ -146,6 +146,15 @@ def builtin_name(
     return name
 
 
+def step_value(step_dtype: Any, count: int) -> Any:
+    """A step count as the class keeps it: a tensor of ``step_dtype`` (torch's
+    classes), or a Python int where ``step_dtype`` is ``int`` (transformers'
+    Adafactor)."""
+    if step_dtype is int:
+        return int(count)
+    return torch.tensor(float(count), dtype=step_dtype)
+
+
 def _state_kind(value: Any, param: torch.Tensor) -> str:
     if isinstance(value, torch.Tensor) and value.shape == param.shape:
         return "element"
@@ -159,7 +168,7 @@ class _Layout(NamedTuple):
 
     names: list[str]  # its states per element, in the core's order
     scalars: dict[str, torch.dtype]  # those that are per-parameter scalars
-    step_dtype: torch.dtype | None  # its "step" (None: it keeps none)
+    step_dtype: Any  # its "step": a torch.dtype, int (a Python int), None (none)
     whole: bool  # it needs each parameter whole ([Note: whole parameters])
     # It keeps states of shapes of their own (Adafactor's row and column
     # statistics): then all its tensor states are parameter states, held by
@@ -186,8 +195,9 @@ class TorchOptimizerRule(_C.UpdateRule):
         self._layouts: dict[str, _Layout] = {}
         self._checked_shapes: set[tuple[str, int]] = set()
         # A factored class's parameter states per number of dimensions: each
-        # state's name and, per dimension, whether it keeps the parameter's.
-        self._patterns: dict[tuple[str, int], list[tuple[str, list[bool]]]] = {}
+        # state's name and, per dimension of it, the parameter's dimension it
+        # has (-1: a dimension of 1).
+        self._patterns: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
@@ -243,14 +253,15 @@ class TorchOptimizerRule(_C.UpdateRule):
         if not self._layout(values).factored:
             return []
         return [
-            (name, [size if kept else 1 for size, kept in zip(sizes, keep, strict=True)])
-            for name, keep in self._pattern(values, len(sizes))
+            (name, [sizes[d] if d >= 0 else 1 for d in dims])
+            for name, dims in self._pattern(values, len(sizes))
         ]
 
-    def _pattern(self, values: dict[str, Any], ndim: int) -> list[tuple[str, list[bool]]]:
-        """Which dimensions of a parameter of ``ndim`` dimensions each state of a
-        factored class keeps: found by one step on a parameter of distinct
-        sizes."""
+    def _pattern(self, values: dict[str, Any], ndim: int) -> list[tuple[str, list[int]]]:
+        """Which of a parameter's dimensions each tensor state of a factored class
+        has, for parameters of ``ndim`` dimensions: found by one step on a
+        parameter of distinct sizes (torch's Adafactor keeps [m, 1] and
+        [1, n] of a matrix, transformers' [m] and [n])."""
         key = (_layout_key(values), ndim)
         pattern = self._patterns.get(key)
         if pattern is not None:
@@ -261,19 +272,22 @@ class TorchOptimizerRule(_C.UpdateRule):
         params, optimizer = _run(self._cls, [torch.zeros(shape)], _probe_values(values), steps=1)
         pattern = []
         for name, value in optimizer.state[params[0]].items():
-            if name == "step":
-                continue
-            sizes = list(value.shape) if isinstance(value, torch.Tensor) else None
-            ok = sizes is not None and len(sizes) == ndim
-            ok = ok and all(d in (size, 1) for d, size in zip(sizes, shape, strict=True))
-            if not ok:
-                got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            if name == "step" or not isinstance(value, torch.Tensor):
+                continue  # the count, or a number the class recomputes each step
+            # Each dimension is one of the parameter's (in order) or 1.
+            dims: list[int] = []
+            for size in value.shape:
+                after = max(dims, default=-1)
+                later = [d for d, extent in enumerate(shape) if extent == size and d > after]
+                dims.append(later[0] if later else (-1 if size == 1 else -2))
+            if -2 in dims:
                 raise ValueError(
-                    f"optimizer {self._name} keeps state {name!r} as {got} for a {shape} "
-                    "parameter: zeroshard keeps a factored class's states in the parameter's "
-                    "shape with some dimensions 1 (Adafactor's [m, 1] and [1, n]); " + _SUPPORTED
+                    f"optimizer {self._name} keeps state {name!r} as {list(value.shape)} for a "
+                    f"{shape} parameter: zeroshard keeps a factored class's states in shapes made "
+                    "of the parameter's dimensions, in order, and 1s (Adafactor's [m, 1] and "
+                    "[1, n], or [m] and [n]); " + _SUPPORTED
                 )
-            pattern.append((name, [d == size for d, size in zip(sizes, shape, strict=True)]))
+            pattern.append((name, dims))
         self._patterns[key] = pattern
         return pattern
 
@@ -300,7 +314,7 @@ class TorchOptimizerRule(_C.UpdateRule):
                 continue  # torch.optim creates the state on the first update
             state = optimizer.state[p]
             if layout.step_dtype is not None:
-                state["step"] = torch.tensor(float(piece.step - 1), dtype=layout.step_dtype)
+                state["step"] = step_value(layout.step_dtype, piece.step - 1)
             for name, stored in zip(layout.names, piece.states, strict=True):
                 dtype = layout.scalars.get(name)
                 state[name] = shaped(stored, piece) if dtype is None else stored[0].to(dtype)
@@ -331,7 +345,7 @@ class TorchOptimizerRule(_C.UpdateRule):
                 continue  # torch.optim creates the state on the first update
             state = optimizer.state[p]
             if layout.step_dtype is not None:
-                state["step"] = torch.tensor(float(piece.step - 1), dtype=layout.step_dtype)
+                state["step"] = step_value(layout.step_dtype, piece.step - 1)
             for name, stored in zip(own, piece.parameter_states, strict=True):
                 state[name] = stored
         optimizer.step()
@@ -388,7 +402,7 @@ class TorchOptimizerRule(_C.UpdateRule):
             elementwise = False
         names: list[str] = []
         scalars: dict[str, torch.dtype] = {}
-        step_dtype: torch.dtype | None = None
+        step_dtype: Any = None
         kept = whole_optimizer.state[whole[0]]
         factored = not elementwise and any(
             _state_kind(v, whole[0]) == "other" and isinstance(v, torch.Tensor) and v.dim() > 0
@@ -398,8 +412,18 @@ class TorchOptimizerRule(_C.UpdateRule):
             kind = _state_kind(value, whole[0])
             if key == "step" and kind == "scalar":
                 step_dtype = value.dtype
+            elif key == "step" and isinstance(value, int) and not isinstance(value, bool):
+                step_dtype = int  # a Python count (transformers' Adafactor)
             elif factored and isinstance(value, torch.Tensor) and value.dim() > 0:
                 continue  # a parameter state: its shape is found per parameter (_pattern)
+            elif factored and (
+                (isinstance(value, int | float) and not isinstance(value, bool))
+                or (isinstance(value, torch.Tensor) and value.dim() == 0)
+            ):
+                # A number the class recomputes each step (transformers'
+                # Adafactor's "RMS"): not kept; the rebuild check below
+                # refuses a class that carries one across steps.
+                continue
             elif kind == "element":
                 names.append(key)
             elif kind == "scalar" and value.dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -494,14 +518,18 @@ def _rebuilt_each_step(
         if step > 1:
             state = optimizer.state[view]
             if layout.step_dtype is not None:
-                state["step"] = torch.tensor(float(step - 1), dtype=layout.step_dtype)
+                state["step"] = step_value(layout.step_dtype, step - 1)
             for name, value in kept.items():
                 dtype = layout.scalars.get(name)
                 state[name] = value if dtype is None else value.to(dtype)
         optimizer.step()
         state = optimizer.state[view]
         # A factored class's states are all its tensors but the step.
-        names = [n for n in state if n != "step"] if layout.factored else layout.names
+        names = (
+            [n for n, v in state.items() if n != "step" and isinstance(v, torch.Tensor)]
+            if layout.factored
+            else layout.names
+        )
         for name in names:
             kept[name] = state[name].detach().float().clone()
     return param

@@ -286,3 +286,49 @@ def test_a_state_dict_round_trip_continues_exactly(tmp_path) -> None:
         assert result["diff"] == 0.0, result["diff"]
     written = [r["written"] for r in results if r["written"] is not None]
     assert written and all(torch.equal(w, torch.full_like(w, 0.5)) for w in written)
+
+
+# ---- transformers' Adafactor (Trainer's optim="adafactor") ----------------------------
+
+
+def _train_transformers(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    from transformers.optimization import Adafactor
+
+    model = make_gpt(seed=0)
+    module = {"module": model, **(RELEASED if stage == 3 else {})}
+    optimizer = zeroshard.ZeroOptimizer(model.parameters(), Adafactor, stage=stage, **module)
+    train(model, optimizer, STEPS, rank, world_size)
+    ddp_model = make_gpt(seed=0)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model)
+    train(ddp, Adafactor(ddp_model.parameters()), STEPS, rank, world_size)
+    return {
+        "params": _full(model, optimizer),
+        "states": _own_states(model, optimizer),
+        "ddp": snapshot(ddp_model),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_transformers_adafactor_trains_as_single_process(stage: int) -> None:
+    """transformers' Adafactor (relative steps, parameter scaling) keeps [m]
+    and [n] for a matrix, a Python int step and a recomputed RMS: the owner
+    keeps its statistics in those shapes, and it trains as in one process."""
+    transformers = pytest.importorskip("transformers")
+    adafactor = transformers.optimization.Adafactor
+    results = unwrap(run_ranks(2, _train_transformers, stage))
+    model = make_gpt(seed=0)
+    reference = adafactor(model.parameters())
+    train(model, reference, STEPS, 0, 1)
+    expected = snapshot(model)
+    label = f"transformers Adafactor W=2 stage {stage}"
+    ddp_diff = max(max_abs_diff(r["ddp"], expected) for r in results)
+    print(f"{label}: DDP {ddp_diff:.3e} from single-process")
+    assert_ranks_match_reference(
+        [r["params"] for r in results], expected, max(TOLERANCE, ddp_diff), label
+    )
+    for name, p in model.named_parameters():
+        held = [r["states"][name] for r in results if name in r["states"]]
+        assert len(held) == 1, (name, len(held))
+        for key, value in reference.state[p].items():
+            if isinstance(value, torch.Tensor) and key in ("exp_avg_sq_row", "exp_avg_sq_col"):
+                assert held[0][key].shape == value.shape, (name, key)
