@@ -23,6 +23,10 @@ weight decay, bf16. What it changes from ``Trainer``:
   the full weights (gathered from every rank's shard) with ``save_pretrained``.
 - At stage 3 ``model.generate`` defaults to ``synced_gpus=True``, so ranks that
   stop at different lengths keep gathering with the others instead of hanging.
+- A config without an ``"optimizer"`` section takes ``TrainingArguments.optim``
+  as Trainer would (``optim="adafactor"``: transformers' Adafactor, each
+  matrix's factored statistics held by its owner); an AdamW ``optim`` is the
+  config's "auto" AdamW.
 
 Supported: transformers 5.x (tested with 5.25) and accelerate >= 1.10
 (tested with 1.15). Not supported, with a clear error: ``deepspeed=`` or FSDP
@@ -127,6 +131,22 @@ def fill_auto(config: dict[str, Any], args: Any, world_size: int) -> dict[str, A
     return config
 
 
+def _trainer_optimizer(
+    args: Any, model: nn.Module, source: dict[str, Any]
+) -> tuple[type, dict[str, Any]] | None:
+    """The class and keywords Trainer picks for ``args.optim`` (``"adafactor"``:
+    transformers' Adafactor with ``lr``), when the zeroshard config names no
+    optimizer and ``optim`` is not an AdamW, which the config's "auto"
+    filling already gives; None otherwise. ZeroOptimizer runs the class
+    (update_rules.py) or refuses it, naming it."""
+    if "optimizer" in source:
+        return None
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.AdamW):
+        return None
+    return cls, dict(kwargs)
+
+
 def _check_arguments(args: Any, kwargs: dict[str, Any]) -> None:
     problems = []
     if getattr(args, "deepspeed", None):
@@ -216,7 +236,12 @@ class ZeroTrainer(Trainer):
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        if kind == "muon":  # each group in Muon and Adam halves, as DeepSpeed's
+        client = _trainer_optimizer(self.args, model, self._zeroshard_source)
+        if client is not None:  # TrainingArguments.optim's class (optim="adafactor")
+            kind, hyper = client
+            for group in groups:
+                group.setdefault("weight_decay", float(self.args.weight_decay))
+        elif kind == "muon":  # each group in Muon and Adam halves, as DeepSpeed's
             groups = muon_param_groups(model, groups, hyper)
             kind, hyper = "adamw", {}
         else:

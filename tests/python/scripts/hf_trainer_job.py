@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--trainer", choices=["plain", "zero"], required=True)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--offload", default="none")
-    parser.add_argument("--optimizer", default="AdamW")
+    parser.add_argument("--optimizer", default="AdamW", help='"none": no optimizer section')
+    parser.add_argument("--optim", default=None, help="TrainingArguments.optim")
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
@@ -92,6 +93,7 @@ def main() -> None:
         disable_tqdm=True,
         use_cpu=True,
         dataloader_num_workers=0,
+        **({"optim": opts.optim} if opts.optim else {}),
     )
     model = make_model()
     common = {"model": model, "args": args, "train_dataset": Tokens(), "eval_dataset": Tokens(12)}
@@ -110,6 +112,8 @@ def main() -> None:
             "optimizer": {"type": opts.optimizer, "params": {"lr": "auto", "weight_decay": "auto"}},
             "zero_optimization": zero,
         }
+        if opts.optimizer == "none":  # TrainingArguments.optim decides
+            del config["optimizer"]
         if opts.nan_at >= 0:  # skip steps with non-finite gradients
             config["bf16"] = {"enabled": "auto", "check_grad_overflow": True}
         nan_at = opts.nan_at
@@ -130,6 +134,7 @@ def main() -> None:
         "lr": trainer.lr_scheduler.get_last_lr(),
     }
     if opts.trainer == "zero":  # what each group runs, with what
+        result["inner"] = trainer.zero_optimizer._kind  # optimizer= (a name, or a class's)
         result["groups"] = [
             [
                 g["optimizer"].__name__ if "optimizer" in g else "",
