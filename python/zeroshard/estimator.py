@@ -18,7 +18,7 @@ import torch  # noqa: F401 - libtorch must be loaded before the extension
 from torch import nn
 
 from zeroshard import _C
-from zeroshard.update_rules import class_defaults, make_rule, rule_class
+from zeroshard.rule_choice import class_defaults, make_rule, rule_class
 
 _EMPTY = inspect.Parameter.empty
 

@@ -32,12 +32,7 @@ from zeroshard.optimizer_arguments import (
     _scalar_zero_options,
     _unknown_keywords_message,
 )
-from zeroshard.sharded_parameter import adopt_sharded_parameters
-from zeroshard.sharded_state import ShardedOptimizerState, state_range
-from zeroshard.teardown import release_pinned_default_groups
-from zeroshard.tensor_parallel import TensorParallelParameters
-from zeroshard.units import materialize, plan_units, register_hooks
-from zeroshard.update_rules import (
+from zeroshard.rule_choice import (
     builtin_class,
     group_rule,
     make_rule,
@@ -46,6 +41,11 @@ from zeroshard.update_rules import (
     refuse_whole_parameters,
     update_rule_of,
 )
+from zeroshard.sharded_parameter import adopt_sharded_parameters
+from zeroshard.sharded_state import ShardedOptimizerState, state_range
+from zeroshard.teardown import release_pinned_default_groups
+from zeroshard.tensor_parallel import TensorParallelParameters
+from zeroshard.units import materialize, plan_units, register_hooks
 
 
 @_document_scalar_options
