@@ -142,6 +142,28 @@ void Train(int rank, int world, TinyModel& model, ZeroOptimizer& optimizer, int 
   }
 }
 
+// Loads the checkpoint at `path` (saved after step 4) on 3 ranks and trains
+// steps 4-8: every rank ends within 1e-6 of `expected`, one process's 8 steps.
+void ExpectResumesAtThreeRanksAsOneTraining(const std::string& path, const RuleOptions& options,
+                                            const ZeroOptions& zero,
+                                            const std::vector<at::Tensor>& expected) {
+  std::vector<double> diffs(3, -1);
+  std::mutex mutex;
+  auto resumed = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    TinyModel model(7);  // other values: the load restores them
+    ZeroOptimizer optimizer(model.params, pg, options, zero);
+    optimizer.load_checkpoint(path);
+    Train(rank, 3, model, optimizer, 4, 8);
+    std::lock_guard<std::mutex> lock(mutex);
+    diffs[rank] = MaxDiff(model.params, expected);
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(resumed[rank], "") << "rank " << rank;
+    EXPECT_GE(diffs[rank], 0.0);
+    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank;
+  }
+}
+
 class UpdateRuleTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(UpdateRuleTest, AnAdagradRuleTrainsAsLibTorchAdagrad) {
@@ -182,22 +204,8 @@ TEST(UpdateRuleCheckpointTest, SavedAtTwoRanksResumesAtThreeAsOneTraining) {
   for (const auto& error : saved) {
     ASSERT_EQ(error, "");
   }
-  std::vector<double> diffs(3, -1);
-  std::mutex mutex;
-  auto resumed = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    TinyModel model(7);  // other values: the load restores them
-    ZeroOptimizer optimizer(model.params, pg, AdagradOptions(),
-                            ZeroOptions().stage(1).reduce_bucket_size(16));
-    optimizer.load_checkpoint(path);
-    Train(rank, 3, model, optimizer, 4, 8);
-    std::lock_guard<std::mutex> lock(mutex);
-    diffs[rank] = MaxDiff(model.params, expected);
-  });
-  for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_EQ(resumed[rank], "") << "rank " << rank;
-    EXPECT_GE(diffs[rank], 0.0);
-    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank;
-  }
+  ExpectResumesAtThreeRanksAsOneTraining(path, AdagradOptions(),
+                                         ZeroOptions().stage(1).reduce_bucket_size(16), expected);
 }
 
 // [Note: parameter states]: each owner holds its matrices' row statistics in
@@ -226,21 +234,8 @@ TEST(UpdateRuleCheckpointTest, ParameterStatesResumeAtOtherOwnersAsOneTraining) 
     ASSERT_EQ(error, "");
   }
   EXPECT_EQ(shapes[0].empty() ? shapes[1] : shapes[0], (std::vector<int64_t>{7, 1}));
-  std::vector<double> diffs(3, -1);
-  std::mutex mutex;
-  auto resumed = RunRanks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    TinyModel model(7);  // other values: the load restores them
-    ZeroOptimizer optimizer(model.params, pg, RowScaledOptions(), ZeroOptions().stage(1));
-    optimizer.load_checkpoint(path);
-    Train(rank, 3, model, optimizer, 4, 8);
-    std::lock_guard<std::mutex> lock(mutex);
-    diffs[rank] = MaxDiff(model.params, expected);
-  });
-  for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_EQ(resumed[rank], "") << "rank " << rank;
-    EXPECT_GE(diffs[rank], 0.0);
-    EXPECT_LE(diffs[rank], 1e-6) << "rank " << rank;
-  }
+  ExpectResumesAtThreeRanksAsOneTraining(path, RowScaledOptions(), ZeroOptions().stage(1),
+                                         expected);
 }
 
 // 'cpu' offload runs a rule on the host ([Note: a rule on the host]); NVMe

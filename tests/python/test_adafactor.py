@@ -25,7 +25,14 @@ from torch import nn
 import zeroshard
 
 from dist_harness import run_ranks, unwrap
-from tiny_models import assert_ranks_match_reference, make_gpt, max_abs_diff, snapshot, train
+from tiny_models import (
+    assert_ranks_match_reference,
+    gathered_snapshot,
+    make_gpt,
+    max_abs_diff,
+    snapshot,
+    train,
+)
 
 TOLERANCE = 1e-6
 STEPS = 5
@@ -45,11 +52,6 @@ def _zero(model: nn.Module, stage: int, offload: str = "none") -> zeroshard.Zero
     )
 
 
-def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    with optimizer.gathered_parameters():
-        return snapshot(model)
-
-
 def _own_states(model: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """The Adafactor states this rank holds, by parameter name: its owned
     parameters', in their shapes."""
@@ -67,7 +69,7 @@ def _train(rank: int, world_size: int, stage: int, offload: str) -> dict[str, An
     optimizer = _zero(model, stage, offload)
     train(model, optimizer, STEPS, rank, world_size)
     out: dict[str, Any] = {
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "states": _own_states(model, optimizer),
         "state_bytes": optimizer.optimizer_state_bytes(),
     }
@@ -157,7 +159,7 @@ def _partly_offloaded(rank: int, world_size: int) -> dict[str, Any]:
     )
     train(model, optimizer, STEPS, rank, world_size)
     return {
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "device": optimizer.device_model_state_bytes(),
         "host": optimizer.host_model_state_bytes(),
     }
@@ -188,7 +190,7 @@ def _save(rank: int, world_size: int, path: str) -> dict[str, Any]:
     optimizer.save_checkpoint(path)
     saved = _own_states(model, optimizer)
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    return {"states": saved, "straight": _full(model, optimizer)}
+    return {"states": saved, "straight": gathered_snapshot(model, optimizer)}
 
 
 def _resume(rank: int, world_size: int, path: str, stage: int) -> dict[str, Any]:
@@ -197,7 +199,7 @@ def _resume(rank: int, world_size: int, path: str, stage: int) -> dict[str, Any]
     optimizer.load_checkpoint(path)
     states = _own_states(model, optimizer)
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    return {"states": states, "params": _full(model, optimizer)}
+    return {"states": states, "params": gathered_snapshot(model, optimizer)}
 
 
 def test_a_checkpoint_saved_at_two_ranks_stage_3_resumes_at_three_ranks_stage_1(
@@ -263,7 +265,7 @@ def _state_dict_round_trip(rank: int, world_size: int, directory: str) -> dict[s
     with optimizer.gathered_parameters():
         weights = {k: v.clone() for k, v in model.state_dict().items()}
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    straight = _full(model, optimizer)
+    straight = gathered_snapshot(model, optimizer)
     model = make_gpt(seed=9)
     model.load_state_dict(weights)
     optimizer = _zero(model, stage=2)
@@ -277,7 +279,7 @@ def _state_dict_round_trip(rank: int, world_size: int, directory: str) -> dict[s
             state["row_var"] = torch.full_like(state["row_var"], 0.5)
             written = optimizer.state[p]["row_var"]
             break
-    return {"diff": max_abs_diff(_full(model, optimizer), straight), "written": written}
+    return {"diff": max_abs_diff(gathered_snapshot(model, optimizer), straight), "written": written}
 
 
 def test_a_state_dict_round_trip_continues_exactly(tmp_path) -> None:
@@ -302,7 +304,7 @@ def _train_transformers(rank: int, world_size: int, stage: int) -> dict[str, Any
     ddp = nn.parallel.DistributedDataParallel(ddp_model)
     train(ddp, Adafactor(ddp_model.parameters()), STEPS, rank, world_size)
     return {
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "states": _own_states(model, optimizer),
         "ddp": snapshot(ddp_model),
     }

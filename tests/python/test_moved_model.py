@@ -19,7 +19,14 @@ from torch import nn
 import zeroshard
 
 from dist_harness import RankError, run_ranks, unwrap
-from tiny_models import SEQ, VOCAB, assert_ranks_match_reference, make_gpt, max_abs_diff
+from tiny_models import (
+    SEQ,
+    VOCAB,
+    assert_ranks_match_reference,
+    gathered_snapshot,
+    make_gpt,
+    max_abs_diff,
+)
 
 STEPS = 4
 BATCH = 6
@@ -43,11 +50,6 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: i
     logits = model(tokens, step)
     nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
     optimizer.step()
-
-
-def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    with optimizer.gathered_parameters():
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -86,7 +88,7 @@ def _train_after(rank: int, world: int, stage: int, change: str) -> dict[str, An
     copied = sum(p.untyped_storage().data_ptr() != storage[n] for n, p in model.named_parameters())
     for step in range(STEPS):
         _step(model, optimizer, step, rank, world)
-    return {"params": _full(model, optimizer), "copied": copied}
+    return {"params": gathered_snapshot(model, optimizer), "copied": copied}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -26,6 +26,7 @@ from dist_harness import run_ranks, unwrap
 from tiny_models import (
     Optimizers,
     assert_ranks_match_reference,
+    gathered_snapshot,
     make_gpt,
     max_abs_diff,
     snapshot,
@@ -84,11 +85,6 @@ def _zero(
     )
 
 
-def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    with optimizer.gathered_parameters():
-        return snapshot(model)
-
-
 def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     model = make_gpt(seed=0)
     optimizer = _zero(model, stage, rule)
@@ -106,7 +102,7 @@ def _train(rank: int, world_size: int, stage: int, rule: Any) -> dict[str, Any]:
     adamw.reset_comm_stats()
     train(adamw_model, adamw, STEPS, rank, world_size)
     out: dict[str, Any] = {
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "owned": owned,
         "shapes": [tuple(p.shape) for p in _hidden(model)],
         "muon": muon_stats,
@@ -236,7 +232,7 @@ def _save(rank: int, world_size: int, path: str, offload: str = "none") -> dict[
     optimizer.save_checkpoint(path)
     saved = _momenta(model, optimizer)
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    return {"momenta": saved, "straight": _full(model, optimizer)}
+    return {"momenta": saved, "straight": gathered_snapshot(model, optimizer)}
 
 
 def _resume(
@@ -247,7 +243,7 @@ def _resume(
     optimizer.load_checkpoint(path)
     momenta = _momenta(model, optimizer)
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    return {"momenta": momenta, "params": _full(model, optimizer)}
+    return {"momenta": momenta, "params": gathered_snapshot(model, optimizer)}
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
@@ -305,7 +301,7 @@ def _train_offloaded(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     train(model, optimizer, STEPS, rank, world_size)
     owned = [optimizer.state_range(p) == (0, p.numel()) for p in _hidden(model)]
     host = optimizer.host_model_state_bytes()
-    return {"params": _full(model, optimizer), "owned": owned, "host_bytes": host}
+    return {"params": gathered_snapshot(model, optimizer), "owned": owned, "host_bytes": host}
 
 
 @pytest.mark.parametrize("world_size,stage", [(1, 2), (2, 1), (2, 3), (3, 2)])
@@ -334,7 +330,7 @@ def _state_dict_round_trip(rank: int, world_size: int, directory: str) -> dict[s
     path = f"{directory}/rank{rank}.pt"
     torch.save(optimizer.state_dict(), path)
     train(model, optimizer, 2, rank, world_size, first_step=3)
-    straight = _full(model, optimizer)
+    straight = gathered_snapshot(model, optimizer)
     resumed_model = make_gpt(seed=0)
     resumed = _zero(resumed_model, stage=2)
     train(resumed_model, resumed, 3, rank, world_size)  # the same weights; the state is loaded
@@ -357,7 +353,7 @@ def _state_dict_round_trip(rank: int, world_size: int, directory: str) -> dict[s
     return {
         "groups": [g.get("optimizer") for g in saved["param_groups"]],
         "straight": straight,
-        "resumed": _full(resumed_model, resumed),
+        "resumed": gathered_snapshot(resumed_model, resumed),
         "mismatch": mismatch,
     }
 

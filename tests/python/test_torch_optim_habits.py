@@ -22,6 +22,7 @@ import zeroshard
 from dist_harness import run_ranks, unwrap
 from tiny_models import (
     assert_ranks_match_reference,
+    gathered_snapshot,
     make_model,
     max_abs_diff,
     snapshot,
@@ -33,12 +34,6 @@ STEPS = 6
 # Stage 3 releases every parameter after use (by default the tiny models'
 # small tensors would stay gathered for good); ignored below stage 3.
 RELEASED = {"stage3_param_persistence_threshold": 0}
-
-
-def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    """The model's full parameters (gathered at stage 3; collective)."""
-    with optimizer.gathered_parameters():
-        return snapshot(model)
 
 
 # ---- named parameters (issue #49 item 8) ----------------------------------------
@@ -65,7 +60,7 @@ def _train_named(rank: int, world_size: int, stage: int, path: str) -> dict[str,
     loader = zeroshard.ZeroOptimizer(other.parameters(), "adamw", stage=1, lr=1e-2, module=other)
     loader.load_checkpoint(path)
     return {
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "full_keys": sorted(full),
         "group_names": optimizer.param_groups[0]["param_names"],
         "loaded": snapshot(other),
@@ -305,7 +300,7 @@ def _grad_scaler(
     return {
         "reference": snapshot(reference),
         "reference_scales": reference_scales,
-        "params": _full(model, optimizer),
+        "params": gathered_snapshot(model, optimizer),
         "scales": scales,
         "skipped": optimizer._impl.skipped_steps(),
     }
@@ -369,7 +364,7 @@ def _gradient_penalty(rank: int, world_size: int, stage: int) -> dict[str, Any]:
         model.parameters(), "adamw", stage=stage, lr=1e-2, module=model, **RELEASED
     )
     _penalty_loop(model, optimizer, rank, world_size)
-    return {"reference": snapshot(reference), "params": _full(model, optimizer)}
+    return {"reference": snapshot(reference), "params": gathered_snapshot(model, optimizer)}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

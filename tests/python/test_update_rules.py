@@ -24,6 +24,7 @@ from dist_harness import run_ranks, unwrap
 from tiny_models import (
     Optimizers,
     assert_ranks_match_reference,
+    gathered_snapshot,
     make_model,
     max_abs_diff,
     snapshot,
@@ -48,11 +49,6 @@ CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 2.0}),
     "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
 }
-
-
-def _full(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    with optimizer.gathered_parameters():
-        return snapshot(model)
 
 
 def _single_process(cls: type, kwargs: dict[str, Any], steps: int, schedule: bool) -> Any:
@@ -99,7 +95,7 @@ def _train_classes(
             world_size,
             scheduler_factory=step_lr if schedule else None,
         )
-        out[name] = {"params": _full(model, optimizer), "ddp": snapshot(ddp_model)}
+        out[name] = {"params": gathered_snapshot(model, optimizer), "ddp": snapshot(ddp_model)}
     return out
 
 
@@ -178,7 +174,7 @@ def _resume(rank: int, world_size: int, path: str, stage: int) -> dict[str, Any]
     )
     optimizer.load_checkpoint(path)
     train(model, optimizer, 3, rank, world_size, first_step=3)
-    return {"params": _full(model, optimizer)}
+    return {"params": gathered_snapshot(model, optimizer)}
 
 
 def test_state_reads_as_torch_optim_and_resumes_at_another_world_size(tmp_path) -> None:
@@ -238,7 +234,7 @@ def _train_two_rules(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     )
     train(model, optimizer, STEPS, rank, world_size)
     keys = [sorted(k for k in group if k != "params") for group in optimizer.param_groups]
-    return {"params": _full(model, optimizer), "keys": keys}
+    return {"params": gathered_snapshot(model, optimizer), "keys": keys}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

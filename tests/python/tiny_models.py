@@ -116,6 +116,13 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def gathered_snapshot(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The model's full parameters under a ZeroOptimizer (gathered at stage 3;
+    collective)."""
+    with optimizer.gathered_parameters():
+        return snapshot(model)
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
