@@ -20,9 +20,10 @@ from zeroshard.update_rules import step_value
 _COUNTS_STEPS = ("adam", "adamw")
 
 
-def state_format(optimizer: Any, group: int) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
-    """How torch.optim's class keeps a parameter's state in ``group``: the dtype
-    of its ``"step"`` (None: it keeps none) and its per-parameter scalars by
+def state_format(optimizer: Any, group: int) -> tuple[Any, dict[str, torch.dtype]]:
+    """How torch.optim's class keeps a parameter's state in ``group``: its
+    ``"step"`` (a dtype, ``int`` for a Python count, None: it keeps none; see
+    ``update_rules.step_value``) and its per-parameter scalars by
     name (the core stores them in every element: [Note: a torch.optim class
     on pieces] in update_rules.py)."""
     rule = optimizer._rules[group] if optimizer._rules is not None else None

@@ -209,73 +209,48 @@ class TorchOptimizerRule(_C.UpdateRule):
     def update(self, hyperparameters: str, pieces: Sequence[Any]) -> None:
         values = json.loads(hyperparameters)
         layout = self._layout(values)
-        if layout.factored:
-            self._update_factored(values, layout, pieces)
-            return
 
         def shaped(t: torch.Tensor, piece: Any) -> torch.Tensor:
             return t.view(piece.sizes) if layout.whole else t
 
         params = []
+        kept = []  # per piece: (name, the core's tensor as the class keeps it)
         for piece in pieces:
             # A fresh view of the master: a parameter object for this step
             # only ([Note: a torch.optim class on pieces]).
             p = shaped(piece.param, piece)
             p.grad = shaped(piece.grad, piece)
             params.append(p)
+            if layout.factored:  # whole parameters, states in their own shapes
+                names = [n for n, _ in self._pattern(values, len(piece.sizes))]
+                kept.append(list(zip(names, piece.parameter_states, strict=True)))
+            else:
+                states = [shaped(t, piece) for t in piece.states]
+                kept.append(list(zip(layout.names, states, strict=True)))
         optimizer = self._cls(params, **values)
-        for p, piece in zip(params, pieces, strict=True):
+        for p, piece, own in zip(params, pieces, kept, strict=True):
             if piece.step == 1:
                 continue  # torch.optim creates the state on the first update
             state = optimizer.state[p]
             if layout.step_dtype is not None:
                 state["step"] = step_value(layout.step_dtype, piece.step - 1)
-            for name, stored in zip(layout.names, piece.states, strict=True):
+            for name, stored in own:
                 dtype = layout.scalars.get(name)
-                state[name] = shaped(stored, piece) if dtype is None else stored[0].to(dtype)
+                state[name] = stored if dtype is None else stored.reshape(-1)[0].to(dtype)
         optimizer.step()
-        for p, piece in zip(params, pieces, strict=True):
+        for p, own in zip(params, kept, strict=True):
             state = optimizer.state[p]
-            for name, stored in zip(layout.names, piece.states, strict=True):
+            for name, stored in own:
                 new = state[name]
                 if name in layout.scalars:
                     stored.fill_(new.item())
                 elif new.data_ptr() != stored.data_ptr():
-                    stored.copy_(new.reshape(-1))
+                    stored.copy_(new.reshape(stored.shape))
 
-    def _update_factored(
-        self, values: dict[str, Any], layout: _Layout, pieces: Sequence[Any]
-    ) -> None:
-        """update() of a factored class: whole parameters, their states in their
-        shapes (the owner's views, updated in place)."""
-        params = []
-        for piece in pieces:
-            p = piece.param.view(piece.sizes)
-            p.grad = piece.grad.view(piece.sizes)
-            params.append(p)
-        optimizer = self._cls(params, **values)
-        names = [[n for n, _ in self._pattern(values, len(piece.sizes))] for piece in pieces]
-        for p, piece, own in zip(params, pieces, names, strict=True):
-            if piece.step == 1:
-                continue  # torch.optim creates the state on the first update
-            state = optimizer.state[p]
-            if layout.step_dtype is not None:
-                state["step"] = step_value(layout.step_dtype, piece.step - 1)
-            for name, stored in zip(own, piece.parameter_states, strict=True):
-                state[name] = stored
-        optimizer.step()
-        for p, piece, own in zip(params, pieces, names, strict=True):
-            state = optimizer.state[p]
-            for name, stored in zip(own, piece.parameter_states, strict=True):
-                new = state[name]
-                if new.data_ptr() != stored.data_ptr():
-                    stored.copy_(new)
-
-    def state_format(
-        self, hyperparameters: dict[str, Any]
-    ) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
-        """The dtype of the class's ``"step"`` (None: it keeps none) and its
-        per-parameter scalar states, for ``optimizer.state[p]``."""
+    def state_format(self, hyperparameters: dict[str, Any]) -> tuple[Any, dict[str, torch.dtype]]:
+        """How the class keeps its ``"step"`` (a dtype, ``int`` for a Python
+        count, None: it keeps none) and its per-parameter scalar states, for
+        ``optimizer.state[p]``."""
         layout = self._layout(hyperparameters)
         return layout.step_dtype, dict(layout.scalars)
 
@@ -353,12 +328,6 @@ class TorchOptimizerRule(_C.UpdateRule):
                     "nor (for a class that needs whole parameters) a tensor of the "
                     "parameter's dimensions; " + _SUPPORTED
                 )
-        if factored and names:
-            raise ValueError(
-                f"optimizer {self._name} keeps states of shapes of their own and per-parameter "
-                f"scalars {sorted(names)}: zeroshard keeps the first whole on the owner and "
-                "cannot keep the second beside them yet; " + _SUPPORTED
-            )
         layout = _Layout(names, scalars, step_dtype, whole=not elementwise, factored=factored)
         # The step rebuilds the class from these states: a class keeping more
         # (a step count in its param groups, a running total on itself) would
