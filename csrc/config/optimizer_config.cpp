@@ -69,8 +69,8 @@ json read_betas(const Section& params, const json& fallback) {
 // "original" lr adjustment (sqrt(max(1, rows / cols))), which is DeepSpeed's
 // muon_update; its Newton-Schulz is torch's quintic one (DeepSpeed's
 // ns_method "standard"); "gram", DeepSpeed's default, computes the same
-// iteration through the Gram matrix for speed, so the values agree up to
-// rounding, not bit for bit.
+// iteration through the Gram matrix for speed (nothing here compares the
+// two's values).
 void read_muon(const Section& params, DeepSpeedConfig& out) {
   TORCH_CHECK_VALUE(!params.boolean("per_head_muon", false), params.path("per_head_muon"),
                     " = true is not supported yet by zeroshard: each matrix is orthogonalised "
@@ -178,6 +178,23 @@ void read_optimizer(const Section& top, DeepSpeedConfig& out) {
 
 }  // namespace config_detail
 
+namespace {
+
+// Adam's or AdamW's options from resolved hyper-parameters (lr, betas, eps,
+// weight_decay; amsgrad where given): the config's optimizer, or Muon's Adam
+// half.
+template <typename Options>
+std::unique_ptr<Options> adam_options(const json& h) {
+  auto options = std::make_unique<Options>(h.at("lr").get<double>());
+  options->betas(std::make_tuple(h.at("betas")[0].get<double>(), h.at("betas")[1].get<double>()))
+      .eps(h.at("eps").get<double>())
+      .weight_decay(h.at("weight_decay").get<double>())
+      .amsgrad(h.value("amsgrad", false));
+  return options;
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
     const DeepSpeedConfig& config) {
   TORCH_CHECK_VALUE(!config.optimizer_type.empty(),
@@ -186,9 +203,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
   TORCH_CHECK_VALUE(config.optimizer_type != "Muon",
                     "optimizer.type \"Muon\" trains two parameter groups (Muon for the hidden "
                     "matrices, Adam for the rest), which one options object cannot describe; in "
-                    "C++ build the two groups with MuonOptions().rule_options() and "
-                    "builtin_rule_options(AdamWOptions(...)) (builtin_rule.h), or use "
-                    "zeroshard.initialize from Python, which splits them as DeepSpeed does");
+                    "C++ call make_optimizer with model->named_parameters().pairs(), or build "
+                    "the groups with deepspeed_muon_groups (deepspeed_config.h)");
   const json& p = config.optimizer_params;
   const double lr = p.at("lr").get<double>();
   if (config.optimizer_type == "SGD") {
@@ -199,24 +215,12 @@ std::unique_ptr<torch::optim::OptimizerOptions> make_optimizer_options(
         .nesterov(p.at("nesterov").get<bool>());
     return options;
   }
-  const auto betas =
-      std::make_tuple(p.at("betas")[0].get<double>(), p.at("betas")[1].get<double>());
   if (config.optimizer_type == "AdamW") {
-    auto options = std::make_unique<torch::optim::AdamWOptions>(lr);
-    options->betas(betas)
-        .eps(p.at("eps").get<double>())
-        .weight_decay(p.at("weight_decay").get<double>())
-        .amsgrad(p.at("amsgrad").get<bool>());
-    return options;
+    return adam_options<torch::optim::AdamWOptions>(p);
   }
   TORCH_INTERNAL_ASSERT(config.optimizer_type == "Adam", "unexpected optimizer_type ",
                         config.optimizer_type);
-  auto options = std::make_unique<torch::optim::AdamOptions>(lr);
-  options->betas(betas)
-      .eps(p.at("eps").get<double>())
-      .weight_decay(p.at("weight_decay").get<double>())
-      .amsgrad(p.at("amsgrad").get<bool>());
-  return options;
+  return adam_options<torch::optim::AdamOptions>(p);
 }
 
 bool uses_deepspeed_muon(const std::string& name, int64_t dim) {
@@ -260,17 +264,10 @@ std::vector<torch::optim::OptimizerParamGroup> deepspeed_muon_groups(
   }
   if (!adam.empty()) {
     const json& h = p.at("adam");
-    const auto betas =
-        std::make_tuple(h.at("betas")[0].get<double>(), h.at("betas")[1].get<double>());
-    const double lr = h.at("lr").get<double>();
-    const double eps = h.at("eps").get<double>();
-    const double weight_decay = h.at("weight_decay").get<double>();
     const RuleOptions options =
         p.at("adam_w_mode").get<bool>()
-            ? builtin_rule_options(
-                  torch::optim::AdamWOptions(lr).betas(betas).eps(eps).weight_decay(weight_decay))
-            : builtin_rule_options(
-                  torch::optim::AdamOptions(lr).betas(betas).eps(eps).weight_decay(weight_decay));
+            ? builtin_rule_options(*adam_options<torch::optim::AdamWOptions>(h))
+            : builtin_rule_options(*adam_options<torch::optim::AdamOptions>(h));
     groups.emplace_back(std::move(adam), std::make_unique<RuleOptions>(options));
   }
   return groups;

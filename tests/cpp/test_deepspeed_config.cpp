@@ -468,8 +468,8 @@ TEST(DeepSpeedConfigTest, ReadsMuonAsItsTwoHalves) {
   EXPECT_EQ(shared.optimizer_params.at("adam").at("weight_decay"), 0.1);
   // One options object cannot hold two rules: the message says what to do.
   EXPECT_ERROR_HAS(ErrorOf([&] { make_optimizer_options(shared); }),
-                   "in C++ build the two groups with MuonOptions().rule_options() and "
-                   "builtin_rule_options(AdamWOptions(...))");
+                   "in C++ call make_optimizer with model->named_parameters().pairs(), or "
+                   "build the groups with deepspeed_muon_groups");
   EXPECT_ERROR_HAS(
       ParseError(Config({{"optimizer", {{"type", "Muon"}, {"params", {{"nesterov", false}}}}}})),
       "nesterov");
