@@ -215,6 +215,7 @@ class TorchOptimizerRule(_C.UpdateRule):
 
         params = []
         kept = []  # per piece: (name, the core's tensor as the class keeps it)
+        names_by_ndim: dict[int, list[str]] = {}  # a factored class's, looked up once
         for piece in pieces:
             # A fresh view of the master: a parameter object for this step
             # only ([Note: a torch.optim class on pieces]).
@@ -222,8 +223,10 @@ class TorchOptimizerRule(_C.UpdateRule):
             p.grad = shaped(piece.grad, piece)
             params.append(p)
             if layout.factored:  # whole parameters, states in their own shapes
-                names = [n for n, _ in self._pattern(values, len(piece.sizes))]
-                kept.append(list(zip(names, piece.parameter_states, strict=True)))
+                ndim = len(piece.sizes)
+                if ndim not in names_by_ndim:
+                    names_by_ndim[ndim] = [n for n, _ in self._pattern(values, ndim)]
+                kept.append(list(zip(names_by_ndim[ndim], piece.parameter_states, strict=True)))
             else:
                 states = [shaped(t, piece) for t in piece.states]
                 kept.append(list(zip(layout.names, states, strict=True)))
